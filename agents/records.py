@@ -1,0 +1,140 @@
+"""The records agents keep in etcd, as plain frozen dataclasses with a JSON codec.
+
+- :class:`NodeRecord`: one per live agent, under its lease (``rdzv/nodes/<node_id>``).
+- :class:`RoundRecord`: the current round (``rdzv/round``): members in rank order, world size.
+- :class:`RestartRequest`: an agent asks for a new round because its workers failed or hung.
+- :class:`MasterRecord`: where round ``n``'s workers find their TCPStore (published by member 0).
+- :class:`JobState`: the job's terminal state once it has one.
+
+Values are JSON so that ``etcdctl get`` and ``ftrt status`` can read them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, Type, TypeVar
+
+T = TypeVar("T")
+
+
+def encode(record: Any) -> bytes:
+    """Serialise a record dataclass to compact JSON bytes."""
+    return json.dumps(asdict(record), separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode(cls: Type[T], raw: bytes) -> T:
+    """Parse JSON bytes into ``cls``, ignoring unknown fields (newer agents may add some)."""
+    data = json.loads(raw)
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    data = {k: v for k, v in data.items() if k in names}
+    if cls is RoundRecord:
+        data["members"] = tuple(Member(**m) for m in data.get("members", ()))
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What an agent announces about itself while its lease lives."""
+
+    node_id: str
+    incarnation: str
+    """Random per registration: a node that lost its lease and came back is a new member."""
+    host: str
+    """Address other nodes reach this node's workers at (MASTER_ADDR when it is member 0)."""
+    agent_addr: str
+    """``host:port`` of the agent's gRPC service."""
+    nproc: int
+    ready: bool = False
+    """Warm workers are up: the node can join a round without an interpreter boot."""
+    done_round: int = 0
+    """Non-zero once this node's workers all exited 0 in that round; not eligible for new rounds."""
+    pid: int = 0
+    started: float = 0.0
+    lease: int = field(default=0, compare=False)
+    """The lease id the key is attached to (from etcd, not stored in the value)."""
+    revision: int = field(default=0, compare=False)
+    """The key's create revision (from etcd): orders newcomers by arrival."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """A node as a member of a round."""
+
+    node_id: str
+    incarnation: str
+    nproc: int
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One rendezvous round. Written only by compare-and-swap on the previous round."""
+
+    round: int
+    members: tuple[Member, ...]
+    active: bool = True
+    """False while the job is below its minimum size: no worker runs."""
+    restart_count: int = 0
+    """Restarts caused by worker failures so far (membership changes do not count)."""
+    reason: str = ""
+    created: float = 0.0
+    writer: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.nproc for m in self.members)
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [m.node_id for m in self.members]
+
+    def member(self, node_id: str) -> Member | None:
+        for m in self.members:
+            if m.node_id == node_id:
+                return m
+        return None
+
+    def group_rank(self, node_id: str) -> int:
+        """Index of the node in the round (its GROUP_RANK); -1 if not a member."""
+        for i, m in enumerate(self.members):
+            if m.node_id == node_id:
+                return i
+        return -1
+
+    def rank_offset(self, node_id: str) -> int:
+        """Global rank of the node's local rank 0."""
+        offset = 0
+        for m in self.members:
+            if m.node_id == node_id:
+                return offset
+            offset += m.nproc
+        raise KeyError(node_id)
+
+
+@dataclass(frozen=True)
+class RestartRequest:
+    """An agent's request for a new round after its workers failed in ``round``."""
+
+    node_id: str
+    round: int
+    kind: Literal["failure", "hang", "store"] = "failure"
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class MasterRecord:
+    """Where the workers of ``round`` find their TCPStore (MASTER_ADDR/MASTER_PORT)."""
+
+    round: int
+    addr: str
+    port: int
+
+
+@dataclass(frozen=True)
+class JobState:
+    """The job's terminal state."""
+
+    state: Literal["succeeded", "failed"]
+    reason: str
+    round: int = 0
+    time: float = 0.0

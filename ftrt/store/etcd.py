@@ -1,0 +1,447 @@
+"""The etcd implementation of :class:`~ftrt.store.api.Store`.
+
+It speaks etcd's v3 gRPC API through the protocol stubs that ``aetcd`` ships (``aetcd.rpc``), on a
+channel of our own. We do not use ``aetcd.Client`` itself because it has one timeout for every call
+(including watch streams), connects to a single host, and ends watches on a server restart; ftrt
+needs per-call deadlines, failover between cluster members and watches that resume from the last
+revision they delivered. See docs/design.md, "etcd layer".
+
+Failure handling:
+
+- The channel holds every endpoint (``ipv4:a:p,b:q``) with gRPC's ``round_robin`` policy, so
+  a call goes to a member that is up; a member's death costs the calls in flight on it, which are
+  retried on another member.
+- Every unary call runs under a deadline (the store's ``timeout``, or the call's own) split in
+  attempts of at most ``attempt_timeout`` seconds; transient failures (member down, leader change,
+  no leader, attempt deadline) are retried with a short backoff until the deadline, then raise
+  :class:`~ftrt.errors.StoreUnavailable`. A transaction retried after an attempt timed out may
+  have landed: callers of compare-and-swap re-read after a failed compare, which covers it.
+- Watches run on their own stream per watch with ``hasleader`` set (a member cut off from the
+  quorum ends the stream instead of going silent) and progress notifications; when the stream
+  breaks they re-watch from the revision after the last one delivered, so no event is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import socket
+import time
+from typing import AsyncIterator, Sequence
+
+import grpc
+import grpc.aio
+from aetcd import rpc
+
+from ftrt.errors import ConfigError, LeaseLost, StoreError, StoreUnavailable, WatchCompacted
+from ftrt.store.api import Compare, Delete, Get, KeyValue, Lease, Op, Put, TxnResult, WatchEvent
+
+log = logging.getLogger(__name__)
+
+_TRANSIENT = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,  # connection torn down mid-call shows up as UNKNOWN at times
+    grpc.StatusCode.INTERNAL,  # "RST_STREAM" when a member dies mid-call
+}
+_LEASE_NOT_FOUND = "requested lease not found"
+_COMPARE_RESULT = {
+    "==": rpc.Compare.EQUAL,
+    "!=": rpc.Compare.NOT_EQUAL,
+    "<": rpc.Compare.LESS,
+    ">": rpc.Compare.GREATER,
+}
+_COMPARE_TARGET = {
+    "value": (rpc.Compare.VALUE, "value"),
+    "mod": (rpc.Compare.MOD, "mod_revision"),
+    "create": (rpc.Compare.CREATE, "create_revision"),
+    "version": (rpc.Compare.VERSION, "version"),
+    "lease": (rpc.Compare.LEASE, "lease"),
+}
+
+
+def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
+    """Parse ``"host:port,host:port"`` (or a list of ``host:port``) into (host, port) pairs.
+
+    An ``http://`` prefix is accepted and ignored (etcd prints its endpoints that way).
+    """
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[tuple[str, int]] = []
+    for raw in items:
+        item = raw.strip()
+        if not item:
+            continue
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item[len(scheme):]
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"The etcd endpoint {raw.strip()!r} is not HOST:PORT; "
+                "give endpoints as HOST:PORT[,HOST:PORT...], e.g. 127.0.0.1:2379."
+            )
+        out.append((host.strip("[]"), int(port)))
+    if not out:
+        raise ConfigError("No etcd endpoint was given; pass --etcd HOST:PORT[,HOST:PORT...].")
+    return out
+
+
+def _grpc_target(endpoints: list[tuple[str, int]]) -> str:
+    """A gRPC target naming every endpoint by address, so one channel can fail over."""
+    v4: list[str] = []
+    v6: list[str] = []
+    for host, port in endpoints:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise ConfigError(
+                f"The etcd host {host!r} does not resolve ({exc.strerror}); check --etcd."
+            ) from exc
+        for family, _, _, _, addr in infos:
+            if family == socket.AF_INET:
+                v4.append(f"{addr[0]}:{port}")
+                break
+            if family == socket.AF_INET6:
+                v6.append(f"[{addr[0]}]:{port}")
+                break
+    if v4:
+        return "ipv4:" + ",".join(dict.fromkeys(v4))
+    return "ipv6:" + ",".join(dict.fromkeys(v6))
+
+
+def _range_end(prefix: bytes) -> bytes:
+    raw = bytearray(prefix)
+    while raw:
+        if raw[-1] < 0xFF:
+            raw[-1] += 1
+            return bytes(raw)
+        raw.pop()
+    return b"\0"
+
+
+def _kv(kv) -> KeyValue:
+    return KeyValue(
+        key=kv.key.decode(),
+        value=bytes(kv.value),
+        create_revision=kv.create_revision,
+        mod_revision=kv.mod_revision,
+        version=kv.version,
+        lease=kv.lease,
+    )
+
+
+class EtcdStore:
+    """A :class:`~ftrt.store.api.Store` on an etcd v3 cluster.
+
+    Args:
+        endpoints: ``"host:port[,host:port...]"`` or a list of ``"host:port"``.
+        timeout: default deadline of one call, in seconds.
+        attempt_timeout: longest single attempt inside a call's deadline.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        timeout: float = 3.0,
+        attempt_timeout: float = 1.0,
+    ) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        self.timeout = timeout
+        self.attempt_timeout = attempt_timeout
+        self._target = _grpc_target(self.endpoints)
+        self._channel: grpc.aio.Channel | None = None
+        self._closed = False
+        self._watch_calls: set = set()
+
+    def __repr__(self) -> str:
+        eps = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        return f"EtcdStore({eps})"
+
+    @property
+    def endpoint_text(self) -> str:
+        """The endpoints as ``host:port,...``, for messages."""
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+    # -- connection -----------------------------------------------------------------------------
+    def _chan(self) -> grpc.aio.Channel:
+        if self._closed:
+            raise StoreUnavailable(f"The etcd store for {self.endpoint_text} is closed.")
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(
+                self._target,
+                options=[
+                    ("grpc.lb_policy_name", "round_robin"),
+                    ("grpc.initial_reconnect_backoff_ms", 50),
+                    ("grpc.min_reconnect_backoff_ms", 50),
+                    ("grpc.max_reconnect_backoff_ms", 500),
+                    # etcd refuses pings more often than every 5 s (--grpc-keepalive-min-time).
+                    ("grpc.keepalive_time_ms", 5000),
+                    ("grpc.keepalive_timeout_ms", 2000),
+                    ("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.enable_retries", 0),
+                ],
+            )
+            self._kv_stub = rpc.KVStub(self._channel)
+            self._lease_stub = rpc.LeaseStub(self._channel)
+            self._watch_stub = rpc.WatchStub(self._channel)
+            self._maint_stub = rpc.MaintenanceStub(self._channel)
+        return self._channel
+
+    async def _unary(self, what: str, method_name: str, stub_name: str, request, timeout):
+        """Run one unary RPC with retries of transient failures until the deadline."""
+        budget = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        delay = 0.02
+        while True:
+            self._chan()
+            method = getattr(getattr(self, stub_name), method_name)
+            remaining = deadline - time.monotonic()
+            try:
+                return await method(request, timeout=max(0.01, min(remaining, self.attempt_timeout)))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _TRANSIENT:
+                    raise self._translate(exc, what) from exc
+                if time.monotonic() + delay >= deadline:
+                    raise StoreUnavailable(
+                        f"etcd at {self.endpoint_text} did not complete {what} within "
+                        f"{budget:.1f} s (last error: {exc.code().name}: {exc.details()}). "
+                        "Check that etcd is running and reachable."
+                    ) from exc
+                log.debug("etcd %s failed (%s); retrying in %.2f s", what, exc.code().name, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+
+    def _translate(self, exc: grpc.aio.AioRpcError, what: str) -> StoreError:
+        details = exc.details() or ""
+        if _LEASE_NOT_FOUND in details:
+            return LeaseLost(f"etcd refused {what}: the lease does not exist (expired or revoked).")
+        return StoreError(f"etcd refused {what}: {exc.code().name}: {details}.")
+
+    # -- key-value ------------------------------------------------------------------------------
+    async def get(self, key: str, *, timeout: float | None = None) -> tuple[KeyValue | None, int]:
+        req = rpc.RangeRequest(key=key.encode())
+        resp = await self._unary(f"get {key!r}", "Range", "_kv_stub", req, timeout)
+        return (_kv(resp.kvs[0]) if resp.kvs else None), resp.header.revision
+
+    async def get_prefix(
+        self, prefix: str, *, timeout: float | None = None
+    ) -> tuple[list[KeyValue], int]:
+        raw = prefix.encode()
+        req = rpc.RangeRequest(
+            key=raw,
+            range_end=_range_end(raw),
+            sort_order=rpc.RangeRequest.ASCEND,
+            sort_target=rpc.RangeRequest.KEY,
+        )
+        resp = await self._unary(f"get prefix {prefix!r}", "Range", "_kv_stub", req, timeout)
+        return [_kv(kv) for kv in resp.kvs], resp.header.revision
+
+    async def put(
+        self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None
+    ) -> int:
+        req = rpc.PutRequest(key=key.encode(), value=value, lease=lease)
+        resp = await self._unary(f"put {key!r}", "Put", "_kv_stub", req, timeout)
+        return resp.header.revision
+
+    async def delete(self, key: str, *, timeout: float | None = None) -> bool:
+        req = rpc.DeleteRangeRequest(key=key.encode())
+        resp = await self._unary(f"delete {key!r}", "DeleteRange", "_kv_stub", req, timeout)
+        return resp.deleted > 0
+
+    async def delete_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
+        raw = prefix.encode()
+        req = rpc.DeleteRangeRequest(key=raw, range_end=_range_end(raw))
+        resp = await self._unary(
+            f"delete prefix {prefix!r}", "DeleteRange", "_kv_stub", req, timeout
+        )
+        return resp.deleted
+
+    @staticmethod
+    def _compare(c: Compare):
+        target, field = _COMPARE_TARGET[c.target]
+        msg = rpc.Compare(result=_COMPARE_RESULT[c.op], target=target, key=c.key.encode())
+        setattr(msg, field, c.operand)
+        return msg
+
+    @staticmethod
+    def _op(op: Op):
+        raw = op.key.encode()
+        if isinstance(op, Put):
+            return rpc.RequestOp(request_put=rpc.PutRequest(key=raw, value=op.value, lease=op.lease))
+        end = _range_end(raw) if op.prefix else b""
+        if isinstance(op, Delete):
+            return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=raw, range_end=end))
+        if isinstance(op, Get):
+            return rpc.RequestOp(
+                request_range=rpc.RangeRequest(
+                    key=raw,
+                    range_end=end,
+                    sort_order=rpc.RangeRequest.ASCEND,
+                    sort_target=rpc.RangeRequest.KEY,
+                )
+            )
+        raise TypeError(f"Unknown transaction operation {op!r}.")
+
+    async def txn(
+        self,
+        compare: Sequence[Compare],
+        success: Sequence[Op],
+        failure: Sequence[Op] = (),
+        *,
+        timeout: float | None = None,
+    ) -> TxnResult:
+        req = rpc.TxnRequest(
+            compare=[self._compare(c) for c in compare],
+            success=[self._op(o) for o in success],
+            failure=[self._op(o) for o in failure],
+        )
+        keys = ",".join(sorted({c.key for c in compare}))
+        resp = await self._unary(f"transaction on {keys!r}", "Txn", "_kv_stub", req, timeout)
+        results: list = []
+        for r in resp.responses:
+            kind = r.WhichOneof("response")
+            if kind == "response_range":
+                results.append([_kv(kv) for kv in r.response_range.kvs])
+            else:
+                results.append(None)
+        return TxnResult(resp.succeeded, resp.header.revision, results)
+
+    # -- leases ---------------------------------------------------------------------------------
+    async def grant_lease(self, ttl: float, *, timeout: float | None = None) -> Lease:
+        req = rpc.LeaseGrantRequest(TTL=max(1, math.ceil(ttl)))
+        resp = await self._unary("lease grant", "LeaseGrant", "_lease_stub", req, timeout)
+        if resp.error:
+            raise StoreError(f"etcd refused a lease of {ttl} s: {resp.error}.")
+        return Lease(resp.ID, float(resp.TTL))
+
+    async def keep_alive(self, lease_id: int, *, timeout: float | None = None) -> float:
+        budget = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        delay = 0.02
+        while True:
+            self._chan()
+            remaining = deadline - time.monotonic()
+            call = self._lease_stub.LeaseKeepAlive(
+                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
+                timeout=max(0.01, min(remaining, self.attempt_timeout)),
+            )
+            try:
+                async for resp in call:
+                    if resp.TTL <= 0:
+                        raise LeaseLost(
+                            f"Lease {lease_id:#x} is gone from etcd (expired or revoked)."
+                        )
+                    return float(resp.TTL)
+                raise StoreUnavailable("etcd closed the keep-alive stream without an answer.")
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _TRANSIENT:
+                    raise self._translate(exc, f"keep-alive of lease {lease_id:#x}") from exc
+                if time.monotonic() + delay >= deadline:
+                    raise StoreUnavailable(
+                        f"etcd at {self.endpoint_text} did not renew lease {lease_id:#x} within "
+                        f"{budget:.1f} s ({exc.code().name})."
+                    ) from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+            finally:
+                call.cancel()
+
+    async def revoke_lease(self, lease_id: int, *, timeout: float | None = None) -> None:
+        req = rpc.LeaseRevokeRequest(ID=lease_id)
+        try:
+            await self._unary(f"revoke of lease {lease_id:#x}", "LeaseRevoke", "_lease_stub", req, timeout)
+        except LeaseLost:
+            pass
+
+    # -- watch ----------------------------------------------------------------------------------
+    async def watch_prefix(
+        self, prefix: str, start_revision: int
+    ) -> AsyncIterator[list[WatchEvent]]:
+        raw = prefix.encode()
+        next_rev = start_revision
+        delay = 0.02
+        while not self._closed:
+            self._chan()
+            create = rpc.WatchCreateRequest(
+                key=raw, range_end=_range_end(raw), start_revision=next_rev, progress_notify=True
+            )
+            requests: asyncio.Queue = asyncio.Queue()
+            requests.put_nowait(rpc.WatchRequest(create_request=create))
+
+            async def request_iter(q=requests):
+                while True:
+                    item = await q.get()
+                    if item is None:
+                        return
+                    yield item
+
+            call = self._watch_stub.Watch(request_iter(), metadata=(("hasleader", "true"),))
+            self._watch_calls.add(call)
+            try:
+                async for resp in call:
+                    if resp.compact_revision:
+                        raise WatchCompacted(
+                            f"The watch on {prefix!r} needs revision {next_rev}, but etcd has "
+                            f"compacted history up to {resp.compact_revision}.",
+                            resp.compact_revision,
+                        )
+                    if resp.canceled:
+                        raise StoreUnavailable(
+                            f"etcd cancelled the watch on {prefix!r}: {resp.cancel_reason}"
+                        )
+                    if resp.created and next_rev == 0:
+                        # "From now on" is pinned to the revision the server saw at creation, so a
+                        # reconnect does not skip what happened in between.
+                        next_rev = resp.header.revision + 1
+                    delay = 0.02
+                    if not resp.events:
+                        continue
+                    batch: list[WatchEvent] = []
+                    for ev in resp.events:
+                        put = ev.type == rpc.Event.PUT
+                        batch.append(
+                            WatchEvent(
+                                "put" if put else "delete",
+                                ev.kv.key.decode(),
+                                bytes(ev.kv.value) if put else b"",
+                                ev.kv.mod_revision,
+                                create_revision=ev.kv.create_revision,
+                                lease=ev.kv.lease,
+                            )
+                        )
+                    next_rev = batch[-1].revision + 1
+                    yield batch
+                # The server ended the stream: fall through and re-watch.
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.CANCELLED and self._closed:
+                    return
+                log.debug("watch on %r broke (%s); re-watching from %d", prefix, exc.code().name, next_rev)
+            finally:
+                requests.put_nowait(None)
+                call.cancel()
+                self._watch_calls.discard(call)
+            if self._closed:
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    # -- misc -----------------------------------------------------------------------------------
+    async def status(self, *, timeout: float | None = None) -> dict:
+        """Return the answering member's status (version, leader, raft term), for diagnostics."""
+        resp = await self._unary("status", "Status", "_maint_stub", rpc.StatusRequest(), timeout)
+        return {
+            "version": resp.version,
+            "leader": resp.leader,
+            "raft_term": resp.raftTerm,
+            "db_size": resp.dbSize,
+        }
+
+    async def close(self) -> None:
+        self._closed = True
+        for call in list(self._watch_calls):
+            call.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

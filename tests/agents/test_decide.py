@@ -1,0 +1,179 @@
+"""Unit tests of the pure rendezvous decision, with a fake clock."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ftrt.agents.decide import Action, RendezvousConfig, View, decide_round, proposer
+from ftrt.agents.records import JobState, Member, NodeRecord, RestartRequest, RoundRecord
+
+
+def node(name: str, rev: int, *, inc: str = "i0", ready: bool = True, done: int = 0) -> NodeRecord:
+    return NodeRecord(
+        node_id=name, incarnation=inc, host="127.0.0.1", agent_addr="127.0.0.1:1", nproc=1,
+        ready=ready, done_round=done, revision=rev,
+    )
+
+
+def member(n: NodeRecord) -> Member:
+    return Member(n.node_id, n.incarnation, n.nproc)
+
+
+def view_of(*nodes: NodeRecord, round_: RoundRecord | None = None, **kw) -> View:
+    v = View(nodes={n.node_id: n for n in nodes}, round=round_, **kw)
+    for n in nodes:
+        v.ready_since.setdefault(n.node_id, 0.0)
+    return v
+
+
+A, B, C, D = (node(x, i + 1) for i, x in enumerate("abcd"))
+CFG = RendezvousConfig(min_nodes=2, max_nodes=3, settle_s=0.1, join_settle_s=0.3,
+                       first_round_wait_s=1.0, join_timeout_s=30.0, max_restarts=2)
+R1 = RoundRecord(round=1, members=(member(A), member(B), member(C)))
+
+
+def test_first_round_waits_for_more_nodes_then_starts_with_the_ready_ones():
+    v = view_of(A, B, waiting_since=0.0)
+    d = decide_round(0.5, v, CFG)
+    assert d.action is Action.WAIT and d.wake_at == 1.0
+    d = decide_round(1.0, v, CFG)
+    assert d.action is Action.WRITE_ROUND
+    assert d.round.round == 1 and d.round.node_ids == ["a", "b"] and d.round.active
+
+
+def test_first_round_starts_at_once_with_max_nodes_in_arrival_order():
+    v = view_of(C, A, B, D)  # dict order differs from arrival (revision) order
+    d = decide_round(0.0, v, CFG)
+    assert d.action is Action.WRITE_ROUND
+    assert d.round.node_ids == ["a", "b", "c"]
+    assert d.round.world_size == 3
+
+
+def test_nodes_not_ready_are_not_counted():
+    v = view_of(A, replace(B, ready=False), waiting_since=0.0)
+    d = decide_round(5.0, v, CFG)
+    assert d.action is Action.WAIT and "1 of at least 2" in d.reason
+
+
+def test_below_min_fails_after_the_join_timeout_with_a_clear_reason():
+    v = view_of(A, waiting_since=10.0)
+    assert decide_round(39.9, v, CFG).action is Action.WAIT
+    d = decide_round(40.0, v, CFG)
+    assert d.action is Action.FAIL
+    assert "only 1 of the required 2 nodes" in d.reason and "--nnodes" in d.reason
+
+
+def test_lost_member_gives_next_round_with_survivors_in_order_after_settling():
+    v = view_of(A, C, round_=R1, changed_at=5.0)
+    d = decide_round(5.05, v, CFG)
+    assert d.action is Action.WAIT and d.wake_at == 5.1
+    d = decide_round(5.1, v, CFG)
+    assert d.action is Action.WRITE_ROUND
+    assert d.round.round == 2 and d.round.node_ids == ["a", "c"]
+    assert d.round.restart_count == 0 and "lost b" in d.reason
+
+
+def test_loss_of_rank_zero_promotes_the_next_survivor():
+    v = view_of(B, C, round_=R1, changed_at=0.0)
+    d = decide_round(1.0, v, CFG)
+    assert d.round.node_ids == ["b", "c"]
+    assert proposer(d, v) == "b"
+
+
+def test_member_back_with_new_incarnation_counts_as_lost_and_rejoins_as_newcomer():
+    b2 = node("b", 9, inc="i1")
+    v = view_of(A, b2, C, round_=R1, changed_at=0.0)
+    d = decide_round(1.0, v, CFG)
+    assert d.action is Action.WRITE_ROUND
+    # b's old incarnation is lost; the new one is a ready newcomer and there is room again.
+    assert d.round.node_ids == ["a", "c", "b"]
+    assert d.round.members[2].incarnation == "i1"
+
+
+def test_spare_replaces_a_lost_member_at_once():
+    v = view_of(A, B, D, round_=R1, changed_at=0.0)
+    d = decide_round(1.0, v, CFG)
+    assert d.round.node_ids == ["a", "b", "d"]
+
+
+def test_worker_failure_restarts_same_members_and_counts_against_budget():
+    v = view_of(A, B, C, round_=R1, requests={"b": RestartRequest("b", 1, "failure", "exit 1")})
+    d = decide_round(1.0, v, CFG)
+    assert d.action is Action.WRITE_ROUND
+    assert d.round.node_ids == ["a", "b", "c"] and d.round.restart_count == 1
+
+
+def test_failure_alongside_a_lost_member_costs_no_restart():
+    v = view_of(A, C, round_=R1, requests={"a": RestartRequest("a", 1, "failure", "peer closed")})
+    d = decide_round(1.0, v, CFG)
+    assert d.round.restart_count == 0 and d.round.node_ids == ["a", "c"]
+
+
+def test_restart_budget_spent_fails_the_job():
+    r = replace(R1, restart_count=2)
+    v = view_of(A, B, C, round_=r, requests={"c": RestartRequest("c", 1, "hang", "no heartbeat")})
+    d = decide_round(1.0, v, CFG)
+    assert d.action is Action.FAIL and "restart budget of 2" in d.reason
+
+
+def test_stale_request_from_an_older_round_is_ignored():
+    r2 = replace(R1, round=2)
+    v = view_of(A, B, C, round_=r2, requests={"b": RestartRequest("b", 1)})
+    assert decide_round(1.0, v, CFG).action is Action.NONE
+
+
+def test_below_min_after_loss_writes_an_inactive_round_then_recovers_when_a_node_joins():
+    r = RoundRecord(round=3, members=(member(A), member(B)))
+    v = view_of(A, round_=r, changed_at=0.0)
+    d = decide_round(1.0, v, CFG)
+    assert d.action is Action.WRITE_ROUND and not d.round.active
+    assert "waiting" in d.reason
+    inactive = d.round
+    v = view_of(A, round_=inactive, waiting_since=1.0)
+    assert decide_round(2.0, v, CFG).action is Action.WAIT
+    v = view_of(A, D, round_=inactive, waiting_since=1.0, changed_at=2.0)
+    v.ready_since["d"] = 2.0
+    assert decide_round(2.1, v, CFG).action is Action.WAIT  # join settle
+    d = decide_round(2.3, v, CFG)
+    assert d.action is Action.WRITE_ROUND and d.round.active
+    assert d.round.node_ids == ["a", "d"] and d.round.round == 5
+
+
+def test_newcomer_is_admitted_after_join_settle_when_below_max():
+    r = RoundRecord(round=4, members=(member(A), member(B)))
+    v = view_of(A, B, D, round_=r)
+    v.ready_since["d"] = 10.0
+    wide = replace(CFG, max_nodes=4)
+    assert decide_round(10.2, v, wide).action is Action.WAIT
+    d = decide_round(10.3, v, wide)
+    assert d.action is Action.WRITE_ROUND and d.round.node_ids == ["a", "b", "d"]
+    assert "admitted d" in d.reason
+
+
+def test_newcomer_filling_the_world_to_max_is_admitted_without_waiting():
+    r = RoundRecord(round=4, members=(member(A), member(B)))
+    v = view_of(A, B, D, round_=r)
+    v.ready_since["d"] = 10.0
+    d = decide_round(10.0, v, CFG)
+    assert d.action is Action.WRITE_ROUND and d.round.node_ids == ["a", "b", "d"]
+
+
+def test_newcomer_waits_as_spare_when_at_max():
+    v = view_of(A, B, C, D, round_=R1)
+    assert decide_round(100.0, v, CFG).action is Action.NONE
+
+
+def test_all_members_done_means_success_and_done_nodes_are_not_eligible():
+    done = [replace(n, done_round=1) for n in (A, B, C)]
+    v = view_of(*done, round_=R1)
+    assert decide_round(0.0, v, CFG).action is Action.SUCCEED
+    # A finished node is not picked again after another member fails.
+    v = view_of(replace(A, done_round=1), B, C, round_=R1,
+                requests={"b": RestartRequest("b", 1)})
+    d = decide_round(1.0, v, CFG)
+    assert d.round.node_ids == ["b", "c"]
+
+
+def test_terminal_job_state_stops_decisions():
+    v = view_of(A, B, round_=R1, job=JobState("failed", "boom"))
+    assert decide_round(0.0, v, CFG).action is Action.NONE
