@@ -1,6 +1,29 @@
-"""ftrt: a fault-tolerant distributed runtime and checkpoint service for RL post-training."""
+"""ftrt: a fault-tolerant distributed runtime and checkpoint service for RL post-training.
+
+Worker-side API::
+
+    import ftrt
+    rt = ftrt.init()          # rank, world size, round; works under ftrt, torchrun or alone
+    rt.heartbeat(step)        # progress for hang detection and ``ftrt status``
+"""
 
 from ftrt._version import __version__
-from ftrt.errors import FtrtError
+from ftrt.errors import (
+    CheckpointCorrupt,
+    ConfigError,
+    FtrtError,
+    RoundChanged,
+    StoreUnavailable,
+)
+from ftrt.runtime import Runtime, init
 
-__all__ = ["__version__", "FtrtError"]
+__all__ = [
+    "__version__",
+    "init",
+    "Runtime",
+    "FtrtError",
+    "ConfigError",
+    "StoreUnavailable",
+    "RoundChanged",
+    "CheckpointCorrupt",
+]

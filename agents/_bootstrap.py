@@ -1,0 +1,116 @@
+"""Entry point of every worker process an agent starts (``python -m ftrt.agents._bootstrap``).
+
+A worker starts *warm*: it imports torch (the slow part of a Python worker's start, 1.5-3 s here),
+optionally opens the TCPStore its round will use, reports ``ready`` and blocks until the agent
+sends its assignment: the torchrun environment, argv and the script or module. It then becomes
+that script (``runpy``, ``__name__ == "__main__"``), so a restart costs a rendezvous, not an
+interpreter boot. A cold start is the same path with the assignment sent at once.
+
+Wire protocol (JSON lines):
+
+- agent -> worker on ``FTRT_CONTROL_FD``: one ``{"env": {...}, "argv": [...], "script": str|null,
+  "module": str|null, "cwd": str}``;
+- worker -> agent on ``FTRT_REPORT_FD``: ``{"t": "ready", "pid": .., "store_port": ..}`` once warm,
+  ``{"t": "started"}`` after the assignment, and ``{"t": "hb", "step": .., "time": ..}`` from
+  :meth:`ftrt.Runtime.heartbeat`.
+
+The process dies with its agent (``PR_SET_PDEATHSIG``) and runs the fence watchdog
+(:mod:`ftrt.agents.fence`) once assigned.
+"""
+
+import json
+import os
+import sys
+
+_STORE = None  # the round's TCPStore server lives as long as this process
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    parent = os.environ.get("FTRT_AGENT_PID")
+    if parent and os.getppid() != int(parent):
+        os._exit(70)  # the agent died before we set the signal
+
+
+def _set_idle(idle: bool) -> None:
+    """Warm up at SCHED_IDLE when asked (a spare must not slow the running workers)."""
+    try:
+        policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except (AttributeError, OSError, PermissionError):
+        pass
+
+
+def _report(fd: int, message: dict) -> None:
+    os.write(fd, (json.dumps(message, separators=(",", ":")) + "\n").encode())
+
+
+def _read_assignment(fd: int) -> dict:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            os._exit(0)  # the agent closed the pipe: this spare is not needed any more
+        chunks.append(chunk)
+        if chunk.endswith(b"\n"):
+            return json.loads(b"".join(chunks))
+
+
+def main() -> None:
+    global _STORE
+    _die_with_parent()
+    control_fd = int(os.environ.pop("FTRT_CONTROL_FD"))
+    report_fd = int(os.environ["FTRT_REPORT_FD"])
+    idle = os.environ.pop("FTRT_WARM_IDLE", "0") == "1"
+    _set_idle(idle)
+    for name in filter(None, os.environ.pop("FTRT_WARM_IMPORTS", "").split(",")):
+        try:
+            __import__(name)
+        except ImportError as exc:
+            sys.stderr.write(f"ftrt: warm import of {name!r} failed: {exc}\n")
+    if idle:
+        _set_idle(False)  # before the store's thread exists, so it serves at normal priority
+    store_port = 0
+    if os.environ.pop("FTRT_WARM_STORE", "0") == "1":
+        import torch.distributed as dist
+
+        _STORE = dist.TCPStore(
+            os.environ.get("FTRT_HOST", "127.0.0.1"), 0, is_master=True,
+            wait_for_workers=False, use_libuv=True,
+        )
+        store_port = _STORE.port
+    _report(report_fd, {"t": "ready", "pid": os.getpid(), "store_port": store_port})
+
+    job = _read_assignment(control_fd)
+    os.close(control_fd)
+    os.environ.update(job["env"])
+    os.chdir(job["cwd"])
+    fence_path = os.environ.get("FTRT_FENCE_FILE")
+    if fence_path:
+        from ftrt.agents.fence import start_watchdog
+
+        start_watchdog(fence_path)
+    _report(report_fd, {"t": "started"})
+
+    import runpy
+
+    if job.get("script"):
+        script = job["script"]
+        sys.argv = [script, *job["argv"]]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+    else:
+        sys.argv = [job["module"], *job["argv"]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Configuration of one agent (``ftrt launch``), as a validated pydantic model.
+
+The CLI (:mod:`ftrt.agents.cli`) maps flags onto these fields; embedding code can build the model
+directly. Validation errors name the field and the value; :func:`load_config` turns pydantic's
+errors into one :class:`~ftrt.errors.ConfigError` sentence.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ftrt.agents.keys import check_id
+from ftrt.errors import ConfigError
+
+
+class LaunchConfig(BaseModel):
+    """Everything one agent needs to run its node's share of a job."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    standalone: bool = Field(False, description="Start an embedded etcd for this job (single node).")
+    etcd: Optional[str] = Field(None, description="etcd endpoints, HOST:PORT[,HOST:PORT...].")
+    job_id: str = Field("default", description="Job id; every agent of a job uses the same one.")
+    min_nodes: int = Field(1, ge=1, description="Fewest nodes the job runs with (--nnodes MIN).")
+    max_nodes: int = Field(1, ge=1, description="Most nodes the job runs with (--nnodes :MAX).")
+    nproc_per_node: int = Field(1, ge=1, le=1024, description="Worker processes on this node.")
+    node_id: str = Field(default_factory=socket.gethostname, description="This node's id in the job.")
+    max_restarts: int = Field(3, ge=0, description="Restarts after worker failures before the job fails.")
+    lease_ttl: float = Field(
+        5.0, ge=1.0, le=600.0,
+        description="Seconds a node stays a member without renewing its lease (silent-failure detection).",
+    )
+    log_dir: Optional[str] = Field(None, description="Also write each worker's output to files here.")
+    script: Optional[str] = Field(None, description="Training script to run (like torchrun's).")
+    module: Optional[str] = Field(None, description="Run this module as a script (-m).")
+    script_args: tuple[str, ...] = Field((), description="Arguments passed to the script.")
+    host: Optional[str] = Field(
+        None, description="Address other nodes reach this node at (default: the one that routes to etcd)."
+    )
+    agent_port: int = Field(0, ge=0, le=65535, description="Port of the agent's gRPC service (0: free port).")
+    join_timeout: float = Field(
+        600.0, gt=0, description="Seconds the job may stay below MIN nodes before it fails."
+    )
+    settle: float = Field(
+        0.05, ge=0, description="Seconds of quiet after a loss or failure before the next round."
+    )
+    join_settle: float = Field(
+        0.2, ge=0, description="Seconds a ready newcomer waits so that nodes starting together join together."
+    )
+    first_round_wait: float = Field(
+        0.5, ge=0, description="Once MIN nodes are ready, seconds to wait for more before round 1."
+    )
+    hang_timeout: float = Field(
+        60.0, gt=0,
+        description="A worker that heartbeat once and then stays silent this long is killed as hung.",
+    )
+    stop_grace: float = Field(
+        5.0, ge=0, description="Seconds between SIGTERM and SIGKILL when the job stops."
+    )
+    restart_grace: float = Field(
+        0.0, ge=0,
+        description="Seconds between SIGTERM and SIGKILL when a round change replaces workers "
+        "(their process group is broken already; 0 kills at once).",
+    )
+    warm_workers: bool = Field(
+        True, description="Keep workers pre-started with torch imported so a restart skips the boot."
+    )
+    warm_imports: tuple[str, ...] = Field(
+        ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo"),
+        description="Modules a warm worker imports while it waits (torch._dynamo: DDP and optimizers import it on first use, 2-3 s here).",
+    )
+    exit_barrier_timeout: float = Field(
+        300.0, ge=0, description="Seconds a finished node waits for the other members to finish."
+    )
+    peer_check_interval: float = Field(
+        0.5, gt=0, description="Seconds between liveness beats on the streams to peer agents."
+    )
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id(cls, v: str) -> str:
+        return check_id("job id", v)
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id(cls, v: str) -> str:
+        return check_id("node id", v)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "LaunchConfig":
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(
+                f"--nnodes {self.min_nodes}:{self.max_nodes} has MIN above MAX; "
+                f"write it as {self.max_nodes}:{self.min_nodes}"
+            )
+        if (self.script is None) == (self.module is None):
+            raise ValueError("give exactly one of a script path or -m MODULE")
+        if self.standalone and self.etcd:
+            raise ValueError("--standalone starts its own etcd; do not also pass --etcd")
+        if not self.standalone and not self.etcd:
+            raise ValueError("pass --etcd HOST:PORT[,HOST:PORT...] or --standalone")
+        if self.script is not None and not os.path.isfile(self.script):
+            raise ValueError(f"the script {self.script!r} does not exist (looked in {os.getcwd()})")
+        return self
+
+    @property
+    def target(self) -> str:
+        """The script path or ``-m module``, for messages."""
+        return self.script if self.script is not None else f"-m {self.module}"
+
+
+def load_config(**values) -> LaunchConfig:
+    """Build a :class:`LaunchConfig`, raising :class:`ConfigError` with readable messages."""
+    try:
+        return LaunchConfig(**values)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            if loc:
+                parts.append(f"{loc.replace('_', '-')}={err.get('input')!r}: {msg}")
+            else:
+                parts.append(msg)
+        raise ConfigError("Invalid launch configuration: " + "; ".join(parts) + ".") from None

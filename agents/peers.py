@@ -1,0 +1,84 @@
+"""Fast detection of dead peer agents, without waiting for their leases to run out.
+
+Each agent keeps a liveness stream (:meth:`AgentService.Liveness`) open to its next two
+successors in the round's member order, so every member is watched by two others and the cost
+grows linearly with the job. When a stream breaks, the watcher tries a plain TCP connect to the
+peer's agent port: an active refusal means the process is gone (the kernel answers for a dead
+process), and ``on_dead`` is called, which revokes the peer's lease. A peer that is merely slow
+or unreachable is left to its lease: a frozen node is detected within the lease TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+import grpc
+import grpc.aio
+
+from ftrt.agents.membership import tcp_refused
+from ftrt.v1 import agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def ring_successors(members: list[str], me: str, k: int = 2) -> list[str]:
+    """The ``k`` members after ``me`` in ring order (fewer if the ring is smaller)."""
+    if me not in members:
+        return []
+    i = members.index(me)
+    n = len(members)
+    out = []
+    for step in range(1, min(k, n - 1) + 1):
+        out.append(members[(i + step) % n])
+    return out
+
+
+class PeerMonitor:
+    """Holds liveness streams to a changing set of peers."""
+
+    def __init__(
+        self,
+        node_id: str,
+        on_dead: Callable[[str, str], Awaitable[None]],
+        interval: float = 0.5,
+    ) -> None:
+        self.node_id = node_id
+        self.on_dead = on_dead
+        self.interval = interval
+        self._tasks: dict[tuple[str, str], asyncio.Task] = {}
+
+    def watch(self, peers: dict[str, str]) -> None:
+        """Monitor exactly ``peers`` (node id -> agent address) from now on."""
+        wanted = set(peers.items())
+        for key in list(self._tasks):
+            if key not in wanted:
+                self._tasks.pop(key).cancel()
+        for key in wanted:
+            if key not in self._tasks:
+                self._tasks[key] = asyncio.create_task(self._follow(*key), name=f"peer-{key[0]}")
+
+    async def _follow(self, node_id: str, addr: str) -> None:
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(addr) as channel:
+                    stub = agent_pb2_grpc.AgentServiceStub(channel)
+                    call = stub.Liveness(
+                        agent_pb2.LivenessRequest(from_node_id=self.node_id, interval_s=self.interval)
+                    )
+                    async for _ in call:
+                        pass
+            except grpc.aio.AioRpcError as exc:
+                log.debug("liveness stream to %s broke: %s", node_id, exc.code().name)
+            if await tcp_refused(addr):
+                await self.on_dead(node_id, f"its agent at {addr} refuses connections")
+                return
+            await asyncio.sleep(0.2)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,53 @@
+"""The environment a worker gets: torchrun's variables plus ftrt's, as a pure function.
+
+Any script that runs under torchrun reads the same names here (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``...). ``TORCHELASTIC_USE_AGENT_STORE=True`` tells ``init_process_group`` (env://)
+to connect to the TCPStore ftrt already runs for the round instead of starting one in rank 0, as
+torchrun does with its agent store.
+"""
+
+from __future__ import annotations
+
+from ftrt.agents.records import RoundRecord
+
+
+def worker_env(
+    rnd: RoundRecord,
+    *,
+    node_id: str,
+    local_rank: int,
+    job_id: str,
+    master_addr: str,
+    master_port: int,
+    max_restarts: int,
+    agent_addr: str,
+) -> dict[str, str]:
+    """Variables for one worker of ``node_id`` in round ``rnd`` (which must include the node)."""
+    member = rnd.member(node_id)
+    if member is None:
+        raise ValueError(f"node {node_id!r} is not a member of round {rnd.round}")
+    if not 0 <= local_rank < member.nproc:
+        raise ValueError(f"local rank {local_rank} is outside 0..{member.nproc - 1}")
+    rank = rnd.rank_offset(node_id) + local_rank
+    world = rnd.world_size
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(member.nproc),
+        "GROUP_RANK": str(rnd.group_rank(node_id)),
+        "GROUP_WORLD_SIZE": str(len(rnd.members)),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(rnd.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_RUN_ID": job_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "FTRT_JOB_ID": job_id,
+        "FTRT_NODE_ID": node_id,
+        "FTRT_ROUND": str(rnd.round),
+        "FTRT_AGENT_ADDR": agent_addr,
+    }

@@ -1,0 +1,363 @@
+"""The worker processes of one node: warm spares, assignment, output, exits and stopping.
+
+Every worker is a ``python -m ftrt.agents._bootstrap`` process (see that module for the wire
+protocol). The pool keeps ``nproc`` spares warm (torch imported; the one meant for local rank 0
+also holds a TCPStore server on a fresh port), hands them out for a round, and replaces them in
+the background at idle CPU priority so a spare's warm-up does not slow the running workers.
+
+Output: each worker's stdout and stderr lines go to the agent's stdout with a ``[rankN]:`` prefix
+(``[warm]`` before assignment), and with a log directory also to ``round-R/rank-N.log``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Callable
+
+log = logging.getLogger(__name__)
+
+IDLE_WARM_GRACE = 2.0
+"""Seconds a replacement spare warms at SCHED_IDLE before it is moved to normal priority."""
+
+
+@dataclass(eq=False)
+class Worker:
+    """One worker process, warm or assigned."""
+
+    proc: asyncio.subprocess.Process
+    control_fd: int
+    hosts_store: bool
+    spawned_at: float
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    store_port: int = 0
+    state: str = "warming"  # warming -> warm -> running -> exited
+    local_rank: int = -1
+    rank: int = -1
+    round: int = 0
+    step: int = -1
+    last_heartbeat: float | None = None
+    assigned_at: float = 0.0
+    exit_code: int | None = None
+    stopping: bool = False
+    log_file: IO[bytes] | None = None
+    tasks: list = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def prefix(self) -> bytes:
+        return f"[rank{self.rank}]: ".encode() if self.rank >= 0 else b"[warm]: "
+
+
+class WorkerPool:
+    """Spawns, assigns, watches and stops this node's workers.
+
+    Args:
+        nproc: workers per round.
+        host: address this node's TCPStore is reached at (MASTER_ADDR when it is member 0).
+        fence_path: the agent's fence file, given to every worker.
+        warm: keep spares warm; without it every start is cold.
+        warm_imports: modules a spare imports while it waits.
+        base_env: environment for workers (the agent's, plus anything the agent adds).
+        on_exit: called as ``on_exit(worker)`` when an assigned worker exits.
+        on_heartbeat: called as ``on_heartbeat(worker)`` on each heartbeat.
+    """
+
+    def __init__(
+        self,
+        *,
+        nproc: int,
+        host: str,
+        fence_path: str,
+        warm: bool,
+        warm_imports: tuple[str, ...],
+        base_env: dict[str, str],
+        log_dir: str | None,
+        on_exit: Callable[[Worker], None],
+        on_heartbeat: Callable[[Worker], None] | None = None,
+        out: IO[bytes] | None = None,
+    ) -> None:
+        self.nproc = nproc
+        self.host = host
+        self.fence_path = fence_path
+        self.warm = warm
+        self.warm_imports = warm_imports
+        self.base_env = base_env
+        self.log_dir = log_dir
+        self.on_exit = on_exit
+        self.on_heartbeat = on_heartbeat
+        self.out = out if out is not None else sys.stdout.buffer
+        self.spares: list[Worker] = []
+        self.running: list[Worker] = []
+        self._all: set[Worker] = set()
+        self._closed = False
+        self._refill: asyncio.Task | None = None
+
+    # -- spawning -------------------------------------------------------------------------------
+    async def _spawn(self, *, hosts_store: bool, idle: bool) -> Worker:
+        ctl_r, ctl_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        env = dict(self.base_env)
+        env.update(
+            FTRT_CONTROL_FD=str(ctl_r),
+            FTRT_REPORT_FD=str(rep_w),
+            FTRT_FENCE_FILE=self.fence_path,
+            FTRT_WARM_STORE="1" if hosts_store else "0",
+            FTRT_WARM_IMPORTS=",".join(self.warm_imports),
+            FTRT_WARM_IDLE="1" if idle else "0",
+            FTRT_AGENT_PID=str(os.getpid()),
+            FTRT_HOST=self.host,
+        )
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "ftrt.agents._bootstrap",
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=(ctl_r, rep_w),
+                env=env,
+                start_new_session=True,
+            )
+        finally:
+            os.close(ctl_r)
+            os.close(rep_w)
+        worker = Worker(proc=proc, control_fd=ctl_w, hosts_store=hosts_store, spawned_at=time.monotonic())
+        self._all.add(worker)
+        worker.tasks = [
+            asyncio.create_task(self._pump(worker, proc.stdout)),
+            asyncio.create_task(self._pump(worker, proc.stderr)),
+            asyncio.create_task(self._reports(worker, rep_r)),
+            asyncio.create_task(self._wait(worker)),
+        ]
+        return worker
+
+    async def fill_spares(self, *, idle: bool = False) -> None:
+        """Start spares until ``nproc`` are warm or warming (one of them holding a store)."""
+        if not self.warm or self._closed:
+            return
+        while len(self.spares) < self.nproc:
+            need_store = not any(w.hosts_store for w in self.spares)
+            self.spares.append(await self._spawn(hosts_store=need_store, idle=idle))
+
+    def refill_later(self, delay: float) -> None:
+        """Replace used spares after ``delay`` seconds (or now if 0), at idle priority."""
+        if not self.warm or self._closed:
+            return
+        if self._refill is not None and not self._refill.done():
+            return
+
+        async def run() -> None:
+            await asyncio.sleep(delay)
+            t0 = time.monotonic()
+            if len(self.spares) >= self.nproc:
+                return
+            await self.fill_spares(idle=bool(self.running))
+            try:
+                await asyncio.wait_for(self.spares_ready(), IDLE_WARM_GRACE)
+            except asyncio.TimeoutError:
+                # The machine has no idle CPU to give: finish warming at normal priority rather
+                # than meet the next fault without spares.
+                for w in self.spares:
+                    if not w.ready.is_set():
+                        _boost(w)
+                await self.spares_ready()
+            log.info("spares warm again after %.1f s", time.monotonic() - t0)
+
+        self._refill = asyncio.create_task(run())
+
+    async def spares_ready(self) -> None:
+        """Wait until every spare has reported ready."""
+        for w in list(self.spares):
+            await w.ready.wait()
+
+    @property
+    def warm_count(self) -> int:
+        return sum(1 for w in self.spares if w.ready.is_set() and w.exit_code is None)
+
+    async def take(self) -> list[Worker]:
+        """``nproc`` workers for a round, index 0 holding a TCPStore; cold-started if needed."""
+        alive = [w for w in self.spares if w.exit_code is None]
+        store_holders = [w for w in alive if w.hosts_store]
+        first = store_holders[0] if store_holders else await self._spawn(hosts_store=True, idle=False)
+        rest = [w for w in alive if w is not first][: self.nproc - 1]
+        while len(rest) < self.nproc - 1:
+            rest.append(await self._spawn(hosts_store=False, idle=False))
+        chosen = [first, *rest]
+        self.spares = [w for w in self.spares if w not in chosen and w.exit_code is None]
+        for w in chosen:
+            if not w.ready.is_set():
+                _boost(w)  # a spare still warming at idle priority is needed now
+        return chosen
+
+    # -- assignment -----------------------------------------------------------------------------
+    def assign(self, worker: Worker, *, local_rank: int, rank: int, round_no: int, env: dict[str, str],
+               script: str | None, module: str | None, argv: tuple[str, ...]) -> None:
+        """Send the worker its job; it starts running the script as soon as it is warm."""
+        worker.local_rank, worker.rank, worker.round = local_rank, rank, round_no
+        worker.state = "running"
+        worker.assigned_at = time.monotonic()
+        if self.log_dir:
+            path = Path(self.log_dir) / f"round-{round_no}" / f"rank-{rank}.log"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            worker.log_file = open(path, "ab")
+        message = {
+            "env": env,
+            "argv": list(argv),
+            "script": os.path.abspath(script) if script else None,
+            "module": module,
+            "cwd": os.getcwd(),
+        }
+        data = (json.dumps(message) + "\n").encode()
+        try:
+            os.write(worker.control_fd, data)
+        except OSError as exc:  # it died meanwhile: its exit is reported by _wait
+            log.warning("could not hand rank %d to worker pid %d: %s", rank, worker.pid, exc)
+        finally:
+            os.close(worker.control_fd)
+            worker.control_fd = -1
+        self.running.append(worker)
+
+    # -- stopping -------------------------------------------------------------------------------
+    async def stop_running(self, grace: float) -> None:
+        """Stop every assigned worker: SIGTERM, then SIGKILL after ``grace`` (0: SIGKILL now)."""
+        workers, self.running = self.running, []
+        await self._stop(workers, grace)
+
+    def kill_running_now(self) -> None:
+        """SIGKILL every assigned worker without waiting (fencing)."""
+        for w in self.running:
+            w.stopping = True
+            _signal_group(w, signal.SIGKILL)
+
+    async def _stop(self, workers: list[Worker], grace: float) -> None:
+        live = [w for w in workers if w.exit_code is None]
+        for w in live:
+            w.stopping = True
+            _signal_group(w, signal.SIGKILL if grace <= 0 else signal.SIGTERM)
+        if grace > 0 and live:
+            done, pending = await asyncio.wait([asyncio.ensure_future(w.proc.wait()) for w in live], timeout=grace)
+            for w in live:
+                if w.exit_code is None and w.proc.returncode is None:
+                    _signal_group(w, signal.SIGKILL)
+        await asyncio.gather(*(w.proc.wait() for w in live), return_exceptions=True)
+        # Grandchildren in the worker's process group die with it.
+        for w in live:
+            _signal_group(w, signal.SIGKILL)
+
+    async def close(self, grace: float) -> None:
+        """Stop everything: running workers with ``grace``, spares at once."""
+        self._closed = True
+        if self._refill is not None:
+            self._refill.cancel()
+        spares, self.spares = self.spares, []
+        for w in spares:
+            if w.control_fd >= 0:
+                os.close(w.control_fd)
+                w.control_fd = -1
+        await asyncio.gather(self.stop_running(grace), self._stop(spares, 0.0))
+        for w in list(self._all):
+            for t in w.tasks:
+                if not t.done():
+                    t.cancel()
+            if w.log_file:
+                w.log_file.close()
+
+    # -- background readers ---------------------------------------------------------------------
+    async def _pump(self, worker: Worker, stream: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                line = await stream.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                line = await stream.read(65536)
+            if not line:
+                return
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            self.out.write(worker.prefix + line)
+            self.out.flush()
+            if worker.log_file is not None:
+                worker.log_file.write(line)
+                worker.log_file.flush()
+
+    async def _reports(self, worker: Worker, fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0)
+        )
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                kind = msg.get("t")
+                if kind == "hb":
+                    worker.step = int(msg.get("step", -1))
+                    worker.last_heartbeat = time.monotonic()
+                    if self.on_heartbeat is not None:
+                        self.on_heartbeat(worker)
+                elif kind == "ready":
+                    worker.store_port = int(msg.get("store_port", 0))
+                    if worker.state == "warming":
+                        worker.state = "warm"
+                    worker.ready.set()
+        finally:
+            transport.close()
+
+    async def _wait(self, worker: Worker) -> None:
+        code = await worker.proc.wait()
+        worker.exit_code = code
+        worker.ready.set()  # nobody waits forever on a dead spare
+        if worker in self.spares:
+            self.spares.remove(worker)
+            if not self._closed:
+                log.warning("spare worker pid %d exited with code %s while warm", worker.pid, code)
+                self.refill_later(1.0)
+        previous = worker.state
+        worker.state = "exited"
+        if worker.control_fd >= 0:
+            os.close(worker.control_fd)
+            worker.control_fd = -1
+        if previous == "running" and not worker.stopping:
+            self.on_exit(worker)
+        self._all.discard(worker)
+        # Let the output pumps drain before closing the log file.
+        await asyncio.gather(*worker.tasks[:2], return_exceptions=True)
+        if worker.log_file is not None:
+            worker.log_file.close()
+            worker.log_file = None
+
+
+def _boost(worker: Worker) -> None:
+    """Move every thread of a warming spare from SCHED_IDLE back to normal scheduling."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{worker.pid}/task")]
+    except OSError:
+        tids = [worker.pid]
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass
+
+
+def _signal_group(worker: Worker, sig: int) -> None:
+    try:
+        os.killpg(worker.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,83 @@
+"""A tiny elastic DDP training script (gloo on CPU): the workload of the demo, tests and benches.
+
+Runs unchanged under ``torchrun`` and ``ftrt launch``. Each step is a forward/backward/all-reduce
+on a small MLP, padded with a sleep to about ``--step-time`` seconds. Rank 0 (or every rank with
+``--all-ranks``) appends one JSON line per step to ``--progress`` (``time``, ``rank``, ``world``,
+``step``, ``round``, ``pid``) so tests and benchmarks can see who stepped when at which world size.
+
+Progress survives restarts through a small checkpoint (``--ckpt``, rank 0 writes it atomically
+every step), so a restarted world continues from the last step instead of step 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ftrt
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--step-time", type=float, default=0.05)
+    p.add_argument("--progress", default=None, help="append per-step JSON lines here")
+    p.add_argument("--all-ranks", action="store_true", help="every rank writes progress lines")
+    p.add_argument("--ckpt", default=None, help="resume file (rank 0 writes the step every step)")
+    p.add_argument("--fail-at-step", type=int, default=-1, help="rank --fail-rank exits 1 at this step (once)")
+    p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--hang-at-step", type=int, default=-1, help="rank --fail-rank stops heart-beating here")
+    args = p.parse_args()
+
+    rt = ftrt.init()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    start = 0
+    if args.ckpt and os.path.exists(args.ckpt):
+        with open(args.ckpt) as f:
+            start = json.load(f)["step"] + 1
+    marker = f"{args.ckpt or args.progress or 'x'}.failed-once"
+    for step in range(start, args.steps):
+        t0 = time.monotonic()
+        if step == args.fail_at_step and rank == args.fail_rank and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise SystemExit(1)
+        if step == args.hang_at_step and rank == args.fail_rank and not os.path.exists(marker):
+            open(marker, "w").close()
+            time.sleep(3600)
+        x = torch.randn(16, 32)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        rt.heartbeat(step)
+        if rank == 0 and args.ckpt:
+            tmp = f"{args.ckpt}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"step": step}, f)
+            os.replace(tmp, args.ckpt)
+        if args.progress and (rank == 0 or args.all_ranks):
+            with open(args.progress, "a") as f:
+                f.write(json.dumps({
+                    "time": time.time(), "rank": rank, "world": world, "step": step,
+                    "round": rt.round, "pid": os.getpid(),
+                }) + "\n")
+        spent = time.monotonic() - t0
+        if spent < args.step_time:
+            time.sleep(args.step_time - spent)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

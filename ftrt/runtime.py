@@ -1,0 +1,105 @@
+"""The worker-side embedding API: ``rt = ftrt.init()``.
+
+Inside a worker started by ``ftrt launch`` it reads the rank, world and round from the
+environment and reports progress to the node's agent (``rt.heartbeat(step)``: cheap, never
+blocks, used for hang detection and status). Under plain torchrun it reads torchrun's variables
+and heartbeats go nowhere; run as a plain script it is a world of one. Code written against it
+therefore runs unchanged in all three settings.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"Environment variable {name}={raw!r} is not an integer.") from None
+
+
+@dataclass
+class Runtime:
+    """What a worker knows about its place in the job. Build it with :func:`ftrt.init`."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    group_rank: int = 0
+    round: int = 0
+    """Rendezvous round this worker runs in (0 outside ftrt)."""
+    restart_count: int = 0
+    job_id: str = "local"
+    node_id: str = "local"
+    agent_addr: str = ""
+    launched_by_ftrt: bool = False
+    last_step: int = -1
+    _report_fd: int = field(default=-1, repr=False)
+
+    def heartbeat(self, step: int) -> None:
+        """Tell the agent this worker reached ``step``. Non-blocking; a no-op outside ftrt.
+
+        After the first heartbeat, a worker silent for longer than the agent's ``--hang-timeout``
+        is treated as hung: killed and the round restarted.
+        """
+        self.last_step = int(step)
+        if self._report_fd < 0:
+            return
+        line = json.dumps({"t": "hb", "step": self.last_step, "time": time.time()}) + "\n"
+        try:
+            os.write(self._report_fd, line.encode())
+        except BlockingIOError:
+            pass  # the agent is behind; a dropped beat is harmless
+        except OSError as exc:
+            if exc.errno in (errno.EPIPE, errno.EBADF):
+                self._report_fd = -1  # the agent is gone; the fence watchdog will stop us
+            else:
+                raise
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0."""
+        return self.rank == 0
+
+
+_RUNTIME: Runtime | None = None
+
+
+def init() -> Runtime:
+    """Return this process's :class:`Runtime` (created on first call from the environment)."""
+    global _RUNTIME
+    if _RUNTIME is not None:
+        return _RUNTIME
+    fd = _env_int("FTRT_REPORT_FD", -1)
+    if fd >= 0:
+        try:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+        except OSError:
+            fd = -1
+    world = _env_int("WORLD_SIZE", 1)
+    _RUNTIME = Runtime(
+        rank=_env_int("RANK", 0),
+        world_size=world,
+        local_rank=_env_int("LOCAL_RANK", 0),
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+        group_rank=_env_int("GROUP_RANK", 0),
+        round=_env_int("FTRT_ROUND", 0),
+        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        job_id=os.environ.get("FTRT_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "local",
+        node_id=os.environ.get("FTRT_NODE_ID", "local"),
+        agent_addr=os.environ.get("FTRT_AGENT_ADDR", ""),
+        launched_by_ftrt="FTRT_JOB_ID" in os.environ,
+        _report_fd=fd,
+    )
+    return _RUNTIME
