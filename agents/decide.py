@@ -221,12 +221,15 @@ def _below_min(now: float, view: View, cfg: RendezvousConfig, have: int) -> Deci
     since = view.waiting_since if view.waiting_since is not None else now
     give_up = since + cfg.join_timeout_s
     if now >= give_up:
-        ready = sorted(n.node_id for n in view.nodes.values() if n.ready and not n.done_round)
+        live = [n for n in view.nodes.values() if not n.done_round]
+        ready = sorted(n.node_id for n in live if n.ready)
+        warming = sorted(n.node_id for n in live if not n.ready)
         return Decision(
             Action.FAIL,
-            f"only {have} of the required {cfg.min_nodes} nodes were ready within "
-            f"{cfg.join_timeout_s:g} s (ready: {', '.join(ready) or 'none'}); start more agents "
-            "with the same --job-id and --etcd, or lower --nnodes",
+            f"only {len(live)} of the required {cfg.min_nodes} nodes joined within "
+            f"{cfg.join_timeout_s:g} s (ready: {', '.join(ready) or 'none'}; still warming up: "
+            f"{', '.join(warming) or 'none'}); start more agents with the same --job-id and --etcd, "
+            "or lower --nnodes",
         )
     return Decision(
         Action.WAIT,

@@ -33,14 +33,23 @@ def main() -> None:
     p.add_argument("--fail-at-step", type=int, default=-1, help="rank --fail-rank exits 1 at this step (once)")
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--hang-at-step", type=int, default=-1, help="rank --fail-rank stops heart-beating here")
+    p.add_argument("--plain", action="store_true",
+                   help="hand-written data parallelism (all_reduce of gradients, manual SGD) instead of "
+                        "DDP and torch.optim; these import torch._dynamo (2-3 s), which tests avoid")
     args = p.parse_args()
 
     rt = ftrt.init()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    if args.plain:
+        for prm in net.parameters():
+            dist.broadcast(prm.data, 0)
+        model, opt = net, None
+    else:
+        model = DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     start = 0
     if args.ckpt and os.path.exists(args.ckpt):
@@ -57,9 +66,17 @@ def main() -> None:
             time.sleep(3600)
         x = torch.randn(16, 32)
         loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        if opt is not None:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        else:
+            model.zero_grad(set_to_none=False)
+            loss.backward()
+            with torch.no_grad():
+                for prm in model.parameters():
+                    dist.all_reduce(prm.grad)
+                    prm -= 0.01 * prm.grad / world
         rt.heartbeat(step)
         if rank == 0 and args.ckpt:
             tmp = f"{args.ckpt}.tmp"

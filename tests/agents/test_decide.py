@@ -60,7 +60,7 @@ def test_below_min_fails_after_the_join_timeout_with_a_clear_reason():
     assert decide_round(39.9, v, CFG).action is Action.WAIT
     d = decide_round(40.0, v, CFG)
     assert d.action is Action.FAIL
-    assert "only 1 of the required 2 nodes" in d.reason and "--nnodes" in d.reason
+    assert "only 1 of the required 2 nodes joined" in d.reason and "--nnodes" in d.reason
 
 
 def test_lost_member_gives_next_round_with_survivors_in_order_after_settling():

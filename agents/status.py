@@ -1,0 +1,131 @@
+"""``ftrt status``: who is in a job's world, which round, restarts, workers' steps, recent events.
+
+It reads the job's keys in etcd and asks each member's agent (gRPC, short deadline) for its
+workers. ``--json`` prints the same as one JSON object for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import time
+
+from ftrt.agents.events import recent_events
+from ftrt.agents.keys import JobKeys, check_id
+from ftrt.agents.records import JobState, NodeRecord, RoundRecord, decode
+from ftrt.store.etcd import EtcdStore
+
+
+async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout: float = 3.0) -> dict:
+    """Gather a job's status as a plain dict."""
+    keys = JobKeys(job_id)
+    store = EtcdStore(endpoints, timeout=timeout)
+    try:
+        kvs, _ = await store.get_prefix(keys.rdzv)
+        nodes: dict[str, NodeRecord] = {}
+        rnd: RoundRecord | None = None
+        job: JobState | None = None
+        for kv in kvs:
+            if kv.key.startswith(keys.nodes):
+                rec = decode(NodeRecord, kv.value)
+                nodes[rec.node_id] = rec
+            elif kv.key == keys.round:
+                rnd = decode(RoundRecord, kv.value)
+            elif kv.key == keys.state:
+                job = decode(JobState, kv.value)
+        log = await recent_events(store, keys, events)
+    finally:
+        await store.close()
+    workers = await _agent_workers([n for n in nodes.values() if rnd and rnd.member(n.node_id)])
+    if job is not None:
+        state = job.state
+    elif rnd is None:
+        state = "waiting for nodes" if nodes else "unknown job (no agents, no round)"
+    else:
+        state = "running" if rnd.active else "waiting for nodes (below minimum)"
+    return {
+        "job_id": job_id,
+        "state": state,
+        "job": dataclasses.asdict(job) if job else None,
+        "round": dataclasses.asdict(rnd) if rnd else None,
+        "world_size": rnd.world_size if rnd else 0,
+        "nodes": {nid: dataclasses.asdict(n) for nid, n in sorted(nodes.items())},
+        "workers": workers,
+        "events": log,
+    }
+
+
+async def _agent_workers(nodes: list[NodeRecord]) -> dict[str, list[dict]]:
+    from ftrt.agents.service import status
+
+    async def one(node: NodeRecord):
+        try:
+            resp = await status(node.agent_addr, timeout=1.0)
+        except Exception as exc:  # an unreachable agent is part of the answer, not an error
+            return node.node_id, [{"error": f"agent unreachable: {type(exc).__name__}"}]
+        return node.node_id, [
+            {"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid, "state": w.state,
+             "step": w.step, "heartbeat_age_s": round(w.last_heartbeat_age_s, 2)}
+            for w in resp.workers
+        ]
+
+    pairs = await asyncio.gather(*(one(n) for n in nodes))
+    return dict(pairs)
+
+
+def render(st: dict) -> str:
+    """Human-readable status."""
+    lines = [f"job {st['job_id']}: {st['state']}"]
+    rnd = st["round"]
+    if st["job"]:
+        lines.append(f"  reason: {st['job']['reason']}")
+    if rnd:
+        created = time.strftime("%H:%M:%S", time.localtime(rnd["created"])) if rnd["created"] else "?"
+        lines.append(
+            f"round {rnd['round']}: world size {st['world_size']}, {len(rnd['members'])} node(s), "
+            f"failure restarts {rnd['restart_count']}; written {created} by {rnd['writer'] or '?'}: {rnd['reason']}"
+        )
+        lines.append("members (rank order):")
+        offset = 0
+        for i, m in enumerate(rnd["members"]):
+            node = st["nodes"].get(m["node_id"])
+            where = f"agent {node['agent_addr']} pid {node['pid']}" if node else "GONE"
+            ranks = f"ranks {offset}-{offset + m['nproc'] - 1}"
+            offset += m["nproc"]
+            lines.append(f"  {i:>3}  {m['node_id']:<20} {ranks:<14} {where}")
+            for w in st["workers"].get(m["node_id"], []):
+                if "error" in w:
+                    lines.append(f"         {w['error']}")
+                elif w["rank"] >= 0:
+                    lines.append(
+                        f"         rank {w['rank']}: pid {w['pid']} {w['state']}, step {w['step']}, "
+                        f"last heartbeat {w['heartbeat_age_s']} s ago"
+                    )
+    members = {m["node_id"] for m in rnd["members"]} if rnd else set()
+    others = [n for nid, n in st["nodes"].items() if nid not in members]
+    if others:
+        lines.append("other nodes:")
+        for n in others:
+            what = "finished" if n["done_round"] else ("ready (spare)" if n["ready"] else "warming up")
+            lines.append(f"       {n['node_id']:<20} {what}, agent {n['agent_addr']}")
+    if st["events"]:
+        lines.append("recent events:")
+        for e in st["events"]:
+            t = time.strftime("%H:%M:%S", time.localtime(e["time"])) + f".{int(e['time'] % 1 * 1000):03d}"
+            lines.append(f"  {t} {e['node']:<12} {e['kind']:<14} {e['message']}")
+    return "\n".join(lines)
+
+
+def status_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ftrt status", description=__doc__.splitlines()[0])
+    p.add_argument("--etcd", "--rdzv-endpoint", dest="etcd", required=True, help="etcd endpoints HOST:PORT[,...]")
+    p.add_argument("--job-id", "--rdzv-id", dest="job_id", required=True, help="the job's id")
+    p.add_argument("--events", type=int, default=10, help="how many recent events to show (default 10)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    args = p.parse_args(argv)
+    check_id("job id", args.job_id)
+    st = asyncio.run(collect_status(args.etcd, args.job_id, args.events))
+    print(json.dumps(st, indent=2) if args.json else render(st))
+    return 0

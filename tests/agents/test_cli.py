@@ -1,0 +1,140 @@
+"""The ``ftrt launch`` / ``ftrt status`` command lines: parsing, bad input, standalone mode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ftrt.agents.cli import parse_launch_args, parse_nnodes
+from ftrt.errors import ConfigError
+from tests.agents.harness import FAST_WARM, Node, Progress, ddp_args, wait_until
+
+
+def run_ftrt(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ftrt.cli.main", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_torchrun_aliases_map_onto_the_config(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("print('hi')\n")
+    cfg = parse_launch_args([
+        "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv_id", "run7", "--nproc_per_node", "4",
+        "--nnodes", "2:8", "--max_restarts", "5", "--rdzv-backend", "c10d", str(script), "--lr", "3",
+    ])
+    assert cfg.etcd == "127.0.0.1:2379" and cfg.job_id == "run7" and cfg.nproc_per_node == 4
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.max_restarts) == (2, 8, 5)
+    assert cfg.script == str(script) and cfg.script_args == ("--lr", "3")
+    mod = parse_launch_args(["--standalone", "-m", "ftrt.examples.ddp_steps", "--steps", "3"])
+    assert mod.module == "ftrt.examples.ddp_steps" and mod.script_args == ("--steps", "3")
+
+
+@pytest.mark.parametrize("text,expect", [("3", (3, 3)), ("1:4", (1, 4))])
+def test_nnodes_parses(text, expect):
+    assert parse_nnodes(text) == expect
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--etcd", "127.0.0.1:2379", "--nnodes", "3:1", "x.py"], "MIN above MAX; write it as 1:3"),
+        (["--etcd", "127.0.0.1:2379", "--nnodes", "two", "x.py"], "is not N or MIN:MAX"),
+        (["--etcd", "127.0.0.1:2379", "does_not_exist.py"], "does not exist"),
+        (["-m", "ftrt.examples.ddp_steps"], "pass --etcd HOST:PORT"),
+        (["--etcd", "127.0.0.1:2379", "--node-id", "a/b", "-m", "x"], "node id 'a/b' is not valid"),
+        (["--etcd", "127.0.0.1:2379", "--lease-ttl", "0.1", "-m", "x"], "lease-ttl=0.1"),
+        (["--etcd", "127.0.0.1:2379"], "Give the training script"),
+    ],
+)
+def test_bad_launch_input_is_one_clear_line_without_traceback(argv, needle):
+    res = run_ftrt("launch", *argv, timeout=30)
+    assert res.returncode != 0
+    assert needle in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_config_error_names_field_and_value():
+    with pytest.raises(ConfigError) as err:
+        parse_launch_args(["--etcd", "h:1", "--nproc-per-node", "0", "-m", "x"])
+    assert "nproc-per-node=0" in str(err.value)
+
+
+def test_unreachable_etcd_fails_within_a_bounded_time():
+    t0 = time.monotonic()
+    res = run_ftrt("launch", "--etcd", "127.0.0.1:1", "--no-warm", "-m", "ftrt.examples.ddp_steps", timeout=60)
+    elapsed = time.monotonic() - t0
+    assert res.returncode != 0
+    assert "Cannot reach etcd at 127.0.0.1:1 within 5 s" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert elapsed < 20
+
+
+def test_standalone_runs_a_job_and_stops_its_etcd(tmp_path):
+    progress = Progress(tmp_path / "p.jsonl")
+    res = run_ftrt("launch", "--standalone", "--nproc-per-node", "2", *FAST_WARM,
+                   *ddp_args(progress.path, steps=10), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert {x["world"] for x in progress.lines()} == {2}
+    assert "standalone: embedded etcd on" in res.stderr
+    endpoint = res.stderr.split("embedded etcd on ")[1].split()[0]
+    import socket
+
+    host, port = endpoint.rsplit(":", 1)
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=1).close()
+
+
+def test_status_shows_members_round_workers_and_events(tmp_path, etcd_endpoint, job_id):
+    progress = Progress(tmp_path / "p.jsonl")
+    nodes = [
+        Node(tmp_path, nid, ["--etcd", etcd_endpoint, "--job-id", job_id, "--nnodes", "2", *FAST_WARM,
+                             *ddp_args(progress.path, steps=400)]).start()
+        for nid in ("s0", "s1")
+    ]
+    try:
+        wait_until(lambda: progress.stepping(world=2, ranks=2), 60, "job stepping")
+        wait_until(lambda: run_ftrt("status", "--etcd", etcd_endpoint, "--job-id", job_id, "--json").stdout
+                   .count('"step"') >= 2, 20, "workers reporting steps")
+        res = run_ftrt("status", "--etcd", etcd_endpoint, "--job-id", job_id, "--json")
+        st = json.loads(res.stdout)
+        assert st["state"] == "running" and st["world_size"] == 2
+        assert {m["node_id"] for m in st["round"]["members"]} == {"s0", "s1"} == set(st["nodes"])
+        steps = [w["step"] for ws in st["workers"].values() for w in ws if w.get("rank", -1) >= 0]
+        assert len(steps) == 2 and min(steps) >= 0
+        assert any(e["kind"] == "round" for e in st["events"])
+        text = run_ftrt("status", "--etcd", etcd_endpoint, "--job-id", job_id).stdout
+        assert "round 1: world size 2" in text and "members (rank order)" in text
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def test_status_of_unknown_job_says_so(etcd_endpoint):
+    res = run_ftrt("status", "--etcd", etcd_endpoint, "--job-id", "no-such-job")
+    assert res.returncode == 0 and "unknown job" in res.stdout
+
+
+def test_runtime_outside_ftrt_is_a_world_of_one():
+    code = (
+        "import ftrt; rt = ftrt.init(); rt.heartbeat(3);"
+        "print(rt.rank, rt.world_size, rt.launched_by_ftrt, rt.last_step, rt is ftrt.init())"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("FTRT_", "RANK", "WORLD"))}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.stdout.split() == ["0", "1", "False", "3", "True"]
+
+
+def test_ftrt_etcd_serves_until_interrupted():
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "ftrt.cli.main", "etcd", "--port", "0"],
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert "etcd is serving on 127.0.0.1:" in line
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(15) == 0

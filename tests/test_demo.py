@@ -1,0 +1,26 @@
+"""``ftrt demo`` (the README's first quick-start line) runs to the end and tells the truth."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_demo_loses_a_node_recovers_rejoins_and_loses_no_step(tmp_path):
+    out = tmp_path / "demo"
+    res = subprocess.run(
+        [sys.executable, "-m", "ftrt.cli.main", "demo", "--out", str(out)],
+        capture_output=True, text=True, timeout=230,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["recovered"] is True and summary["recovery_s"] > 0
+    assert summary["world_sizes"][:2] == [3, 2]
+    assert summary["steps_missing"] == [] and summary["final_step"] == 999
+    assert set(summary["exit_codes"].values()) == {0}
+    assert "ftrt demo summary" in res.stdout
