@@ -53,10 +53,14 @@ def wait_until(pred: Callable[[], object], timeout: float, what: str, interval: 
 class LocalNode:
     """One agent (``python -m ftrt.cli.main launch ...``) and its workers."""
 
-    def __init__(self, workdir: Path, node_id: str, launch_args: list[str], *, env: dict | None = None):
+    def __init__(self, workdir: Path, node_id: str, launch_args: list[str], *, env: dict | None = None,
+                 command: list[str] | None = None):
         self.node_id = node_id
         self.log_path = Path(workdir) / f"agent-{node_id}.log"
-        self.args = [sys.executable, "-m", "ftrt.cli.main", "launch", "--node-id", node_id, *launch_args]
+        # ``command`` replaces the whole command line (e.g. torchrun for side-by-side benchmarks).
+        self.args = command or [
+            sys.executable, "-m", "ftrt.cli.main", "launch", "--node-id", node_id, *launch_args
+        ]
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.started_at = 0.0

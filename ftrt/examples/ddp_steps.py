@@ -33,6 +33,10 @@ def main() -> None:
     p.add_argument("--fail-at-step", type=int, default=-1, help="rank --fail-rank exits 1 at this step (once)")
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--hang-at-step", type=int, default=-1, help="rank --fail-rank stops heart-beating here")
+    p.add_argument("--fail-when", default=None,
+                   help="rank --fail-rank exits 1 at the step written in this file, once it exists")
+    p.add_argument("--fault-marker", default=None,
+                   help="file recording the injected fault (default: next to --ckpt); it fires once")
     p.add_argument("--plain", action="store_true",
                    help="hand-written data parallelism (all_reduce of gradients, manual SGD) instead of "
                         "DDP and torch.optim; these import torch._dynamo (2-3 s), which tests avoid")
@@ -55,14 +59,21 @@ def main() -> None:
     if args.ckpt and os.path.exists(args.ckpt):
         with open(args.ckpt) as f:
             start = json.load(f)["step"] + 1
-    marker = f"{args.ckpt or args.progress or 'x'}.failed-once"
+    marker = args.fault_marker or f"{args.ckpt or args.progress or 'x'}.failed-once"
     for step in range(start, args.steps):
         t0 = time.monotonic()
+        if args.fail_when and rank == args.fail_rank and os.path.exists(args.fail_when):
+            with open(args.fail_when) as f:
+                armed = f.read().strip()
+            if armed and step >= int(armed):
+                args.fail_at_step = step
         if step == args.fail_at_step and rank == args.fail_rank and not os.path.exists(marker):
-            open(marker, "w").close()
-            raise SystemExit(1)
+            with open(marker, "w") as f:  # the fault's time, for benchmarks
+                f.write(json.dumps({"time": time.time(), "step": step, "pid": os.getpid()}))
+            os._exit(1)  # a crash: no interpreter teardown
         if step == args.hang_at_step and rank == args.fail_rank and not os.path.exists(marker):
-            open(marker, "w").close()
+            with open(marker, "w") as f:
+                f.write(json.dumps({"time": time.time(), "step": step, "pid": os.getpid()}))
             time.sleep(3600)
         x = torch.randn(16, 32)
         loss = model(x).pow(2).mean()

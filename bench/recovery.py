@@ -1,0 +1,273 @@
+"""Recovery benchmark: ftrt and torchrun side by side on the same script, in the same run.
+
+The workload is ``ftrt/examples/ddp_steps.py`` (gloo DDP, ~50 ms steps) on 3 simulated nodes of 1
+worker each, every rank logging a line per step. For each scenario and system the bench starts a
+fresh cluster, waits until it trains (and, for ftrt, until its spare workers are warm), injects the
+fault, and reads the step logs:
+
+- ``node_loss``: SIGKILL a node's agent and workers; time until every survivor steps at world 2.
+- ``node_loss_rank0``: the same for the node holding rank 0 (and, for ftrt, the round's TCPStore).
+- ``worker_crash``: a worker exits 1 (its agent lives); time until every rank steps again.
+- ``node_join``: 2 nodes train, a 3rd agent starts; time from its start until 3 ranks step, and
+  the longest pause the running ranks saw.
+- ``node_freeze``: SIGSTOP a node's whole tree; time until the survivors step at world 2.
+
+torchrun runs its c10d rendezvous against a separate TCPStore process (so any node may die) with
+its best settings (``last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3``,
+``--monitor-interval 0.1``); ``node_loss`` is also run once with torchrun's defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ftrt.chaos.local import LocalNode, StepLog, wait_until
+from ftrt.store.etcd_server import EtcdServer, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "ftrt" / "examples" / "ddp_steps.py"
+TORCHRUN_BEST = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+SCENARIOS = ("node_loss", "node_loss_rank0", "worker_crash", "node_join", "node_freeze")
+CAP = 90.0  # seconds a recovery may take before the run is recorded as "no recovery"
+
+
+class Cluster:
+    """Nodes of one system (ftrt or torchrun) sharing a step log."""
+
+    def __init__(self, system: str, work: Path, *, nnodes: str = "2:3", torchrun_conf: str = TORCHRUN_BEST):
+        self.system = system
+        self.work = work
+        self.nnodes = nnodes
+        self.torchrun_conf = torchrun_conf
+        self.log = StepLog(work / "steps.jsonl")
+        self.marker = work / "fault.json"
+        self.nodes: dict[str, LocalNode] = {}
+        self.env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self._etcd: EtcdServer | None = None
+        self._store: subprocess.Popen | None = None
+        if system == "ftrt":
+            self._etcd = EtcdServer(name="bench", unsafe_no_fsync=True).start()
+        else:
+            self._port = free_port()
+            self._store = subprocess.Popen(
+                [sys.executable, "-c",
+                 "import sys, time, torch.distributed as d\n"
+                 f"s = d.TCPStore('127.0.0.1', {self._port}, is_master=True, wait_for_workers=False, multi_tenant=True)\n"
+                 "print('ready', flush=True)\ntime.sleep(1e9)\n"],
+                stdout=subprocess.PIPE, text=True,
+            )
+            assert self._store.stdout.readline().strip() == "ready"
+
+    def script_args(self, steps: int) -> list[str]:
+        return [
+            str(SCRIPT), "--steps", str(steps), "--step-time", "0.05", "--progress", str(self.log.path),
+            "--all-ranks", "--ckpt", str(self.work / "ckpt.json"), "--fault-marker", str(self.marker),
+            "--fail-when", str(self.work / "arm"), "--fail-rank", "1",
+        ]
+
+    def add(self, node_id: str, script: list[str]) -> LocalNode:
+        if self.system == "ftrt":
+            node = LocalNode(self.work, node_id, [
+                "--etcd", self._etcd.endpoint, "--job-id", "bench", "--nnodes", self.nnodes,
+                "--lease-ttl", "2", "--max-restarts", "10", *script,
+            ], env=self.env)
+        else:
+            node = LocalNode(self.work, node_id, [], env=self.env, command=[
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", self.nnodes,
+                "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{self._port}", "--rdzv-id", "bench",
+                "--rdzv-conf", f"{self.torchrun_conf},is_host=false" if self.torchrun_conf else "is_host=false",
+                "--max-restarts", "10", "--monitor-interval", "0.1", *script,
+            ])
+        self.nodes[node_id] = node.start()
+        return node
+
+    def spares_warm(self) -> bool:
+        if self.system != "ftrt":
+            return True
+        return all("spares warm again" in n.log() for n in self.nodes.values() if n.alive())
+
+    def node_of_rank(self, rank: int, since: float = 0.0) -> str:
+        """The node whose process tree holds the worker that last logged ``rank``."""
+        pid = [x["pid"] for x in self.log.after(since) if x["rank"] == rank][-1]
+        for nid, node in self.nodes.items():
+            if pid in node.tree():
+                return nid
+        raise RuntimeError(f"no node holds pid {pid}")
+
+    def close(self) -> None:
+        for n in self.nodes.values():
+            n.cleanup()
+        if self._etcd is not None:
+            self._etcd.stop()
+        if self._store is not None:
+            self._store.kill()
+            self._store.wait()
+
+
+def _train(c: Cluster, names: list[str], steps: int) -> None:
+    for name in names:
+        c.add(name, c.script_args(steps))
+    wait_until(lambda: c.log.stepping(world=len(names), ranks=len(names)), 120, "training to start")
+    wait_until(c.spares_warm, 120, "spare workers to be warm")
+    time.sleep(1.0)  # a stretch of steady training before the fault
+
+
+def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST) -> dict:
+    """Run one scenario once on a fresh cluster; return its measurements (seconds)."""
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{system}-{scenario}-"))
+    c = Cluster(system, work, torchrun_conf=torchrun_conf)
+    result: dict = {"system": system, "scenario": scenario}
+    try:
+        if scenario in ("node_loss", "node_loss_rank0", "node_freeze"):
+            _train(c, ["n0", "n1", "n2"], steps=100000)
+            victim = c.node_of_rank(0 if scenario == "node_loss_rank0" else 1, since=time.time() - 1)
+            t0 = c.nodes[victim].freeze() if scenario == "node_freeze" else c.nodes[victim].kill()
+            first = _wait_or_none(lambda: c.log.stepping(world=2, ranks=2, since=t0))
+            result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
+        elif scenario == "worker_crash":
+            _train(c, ["n0", "n1", "n2"], steps=100000)
+            # Arm the crash now that spares are warm: rank 1 exits at a step a little ahead.
+            current = max(x["step"] for x in c.log.lines())
+            (work / "arm").write_text(str(current + 10))
+            crash = _wait_or_none(lambda: json.loads(c.marker.read_text()) if c.marker.exists() else None)
+            if crash is None:
+                raise RuntimeError("the crash was not injected")
+            t0 = crash["time"]
+            first = _wait_or_none(lambda: _new_pids_stepping(c.log, t0, 3))
+            result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
+        elif scenario == "node_join":
+            _train(c, ["n0", "n1"], steps=100000)
+            joiner = c.add("n2", c.script_args(100000))
+            t0 = joiner.started_at
+            first = _wait_or_none(lambda: c.log.stepping(world=3, ranks=3, since=t0))
+            result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
+            if first:
+                result["pause_s"] = round(_longest_pause(c.log, t0, max(first.values())), 3)
+        else:
+            raise ValueError(scenario)
+    finally:
+        c.close()
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _wait_or_none(pred):
+    try:
+        return wait_until(pred, CAP, "recovery")
+    except AssertionError:
+        return None
+
+
+def _new_pids_stepping(log: StepLog, t0: float, ranks: int) -> dict[int, float] | None:
+    before = {x["pid"] for x in log.lines() if x["time"] <= t0}
+    first: dict[int, float] = {}
+    for x in log.after(t0):
+        if x["pid"] not in before:
+            first.setdefault(x["rank"], x["time"])
+    return first if len(first) >= ranks else None
+
+
+def _longest_pause(log: StepLog, t0: float, t1: float) -> float:
+    """Longest gap between consecutive steps of any rank that was training before ``t0``."""
+    before = [x for x in log.lines() if x["time"] <= t0]
+    ranks_before = {x["rank"] for x in before}
+    times = sorted(x["time"] for x in log.lines() if t0 - 1 <= x["time"] <= t1 + 0.5 and x["rank"] in ranks_before)
+    # The union of all old ranks' step times: the longest stretch in which none of them stepped.
+    return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+
+
+def run(reps: int = 3, scenarios: tuple[str, ...] = SCENARIOS, torchrun_defaults: bool = True) -> dict:
+    rows = []
+    for scenario in scenarios:
+        for system in ("ftrt", "torchrun"):
+            for rep in range(reps):
+                r = measure(system, scenario)
+                r["rep"] = rep
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    if torchrun_defaults:
+        r = measure("torchrun", "node_loss", torchrun_conf="")
+        r.update(rep=0, settings="defaults")
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    return {"rows": rows, "summary": summarize(rows)}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        entry: dict = {"scenario": scenario}
+        for system in ("ftrt", "torchrun"):
+            vals = [r["recovery_s"] for r in rows
+                    if r["scenario"] == scenario and r["system"] == system and "settings" not in r]
+            ok = [v for v in vals if v is not None]
+            entry[system] = {
+                "median_s": round(statistics.median(ok), 3) if ok else None,
+                "min_s": min(ok) if ok else None, "max_s": max(ok) if ok else None,
+                "runs": len(vals), "no_recovery": len(vals) - len(ok),
+            }
+            pauses = [r["pause_s"] for r in rows if r["scenario"] == scenario and r["system"] == system and "pause_s" in r]
+            if pauses:
+                entry[system]["median_pause_s"] = round(statistics.median(pauses), 3)
+        f, t = entry["ftrt"]["median_s"], entry["torchrun"]["median_s"]
+        entry["speedup"] = round(t / f, 1) if f and t else None
+        out.append(entry)
+    defaults = [r for r in rows if r.get("settings") == "defaults"]
+    if defaults:
+        out.append({"scenario": "node_loss (torchrun defaults)", "torchrun": {"median_s": defaults[0]["recovery_s"]}})
+    return out
+
+
+def render(summary: list[dict]) -> str:
+    lines = [f"{'scenario':<32}{'ftrt median':>12}{'ftrt range':>16}{'torchrun median':>17}{'torchrun range':>18}{'ratio':>8}"]
+
+    def fmt(v):
+        return "none" if v is None else f"{v:.2f} s"
+
+    for e in summary:
+        f = e.get("ftrt", {})
+        t = e.get("torchrun", {})
+        fr = f"{fmt(f.get('min_s'))}-{fmt(f.get('max_s'))}" if f.get("min_s") is not None else ""
+        tr = f"{fmt(t.get('min_s'))}-{fmt(t.get('max_s'))}" if t.get("min_s") is not None else ""
+        ratio = f"{e['speedup']}x" if e.get("speedup") else ""
+        lines.append(f"{e['scenario']:<32}{fmt(f.get('median_s')) if f else '':>12}{fr:>16}"
+                     f"{fmt(t.get('median_s')):>17}{tr:>18}{ratio:>8}")
+        for sysname, d in (("ftrt", f), ("torchrun", t)):
+            if d.get("median_pause_s") is not None:
+                lines.append(f"{'':<4}{sysname} running ranks' longest pause: {d['median_pause_s']:.2f} s (median)")
+            if d.get("no_recovery"):
+                lines.append(f"{'':<4}{sysname}: {d['no_recovery']} of {d['runs']} runs did not recover within {CAP:.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench recovery", description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--scenario", action="append", choices=SCENARIOS)
+    p.add_argument("--no-torchrun-defaults", dest="defaults", action="store_false")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+    t0 = time.time()
+    res = run(args.reps, tuple(args.scenario or SCENARIOS), args.defaults)
+    res.update(
+        date=time.strftime("%Y-%m-%d %H:%M"), machine=f"{os.cpu_count()} cores",
+        command="python -m bench recovery " + " ".join(argv), wall_s=round(time.time() - t0),
+    )
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / f"recovery-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(res, indent=2) + "\n")
+    print()
+    print(render(res["summary"]))
+    print(f"\nwrote {path}")
+    return 0
