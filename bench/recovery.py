@@ -12,9 +12,14 @@ fault, and reads the step logs:
   the longest pause the running ranks saw.
 - ``node_freeze``: SIGSTOP a node's whole tree; time until the survivors step at world 2.
 
-torchrun runs its c10d rendezvous against a separate TCPStore process (so any node may die) with
-its best settings (``last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3``,
-``--monitor-interval 0.1``); ``node_loss`` is also run once with torchrun's defaults.
+torchrun runs its c10d rendezvous as usually deployed: the first node's agent hosts the rendezvous
+TCPStore (``is_host=true``; the others ``false``), with its best settings
+(``last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3``, ``--monitor-interval
+0.1``); ``node_loss`` is also run once with torchrun's defaults. ``node_loss`` kills a node that
+holds neither rank 0 nor the rendezvous store; when rank 0 lives on the store's host, torchrun's
+``node_loss_rank0`` cannot recover (the store is gone), and the table says so. torchrun gets
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with its default, restarted workers read stale gloo
+addresses from the shared store and never reconnect (pytorch/pytorch#135712).
 """
 
 from __future__ import annotations
@@ -51,20 +56,15 @@ class Cluster:
         self.marker = work / "fault.json"
         self.nodes: dict[str, LocalNode] = {}
         self.env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        if system == "torchrun":
+            # Without this, torchrun's restarts reuse the rendezvous TCPStore for the workers and
+            # they read stale gloo addresses (pytorch/pytorch#135712); restarts never succeed.
+            self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         self._etcd: EtcdServer | None = None
-        self._store: subprocess.Popen | None = None
         if system == "ftrt":
             self._etcd = EtcdServer(name="bench", unsafe_no_fsync=True).start()
         else:
             self._port = free_port()
-            self._store = subprocess.Popen(
-                [sys.executable, "-c",
-                 "import sys, time, torch.distributed as d\n"
-                 f"s = d.TCPStore('127.0.0.1', {self._port}, is_master=True, wait_for_workers=False, multi_tenant=True)\n"
-                 "print('ready', flush=True)\ntime.sleep(1e9)\n"],
-                stdout=subprocess.PIPE, text=True,
-            )
-            assert self._store.stdout.readline().strip() == "ready"
 
     def script_args(self, steps: int) -> list[str]:
         return [
@@ -84,7 +84,7 @@ class Cluster:
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", self.nnodes,
                 "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{self._port}", "--rdzv-id", "bench",
-                "--rdzv-conf", f"{self.torchrun_conf},is_host=false" if self.torchrun_conf else "is_host=false",
+                "--rdzv-conf", ",".join(filter(None, [self.torchrun_conf, f"is_host={not self.nodes}".lower()])),
                 "--max-restarts", "10", "--monitor-interval", "0.1", *script,
             ])
         self.nodes[node_id] = node.start()
@@ -103,14 +103,19 @@ class Cluster:
                 return nid
         raise RuntimeError(f"no node holds pid {pid}")
 
+    def victim(self, rank0: bool) -> str:
+        """The node to fault: the one holding rank 0, or one holding neither rank 0 nor torchrun's store."""
+        since = time.time() - 1
+        holder = self.node_of_rank(0, since)
+        if rank0:
+            return holder
+        return next(n for n in ("n1", "n2", "n0") if n != holder and (self.system == "ftrt" or n != "n0"))
+
     def close(self) -> None:
         for n in self.nodes.values():
             n.cleanup()
         if self._etcd is not None:
             self._etcd.stop()
-        if self._store is not None:
-            self._store.kill()
-            self._store.wait()
 
 
 def _train(c: Cluster, names: list[str], steps: int) -> None:
@@ -129,7 +134,8 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST) -
     try:
         if scenario in ("node_loss", "node_loss_rank0", "node_freeze"):
             _train(c, ["n0", "n1", "n2"], steps=100000)
-            victim = c.node_of_rank(0 if scenario == "node_loss_rank0" else 1, since=time.time() - 1)
+            victim = c.victim(rank0=scenario == "node_loss_rank0")
+            result["victim_hosted_store"] = c.system == "torchrun" and victim == "n0"
             t0 = c.nodes[victim].freeze() if scenario == "node_freeze" else c.nodes[victim].kill()
             first = _wait_or_none(lambda: c.log.stepping(world=2, ranks=2, since=t0))
             result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
@@ -156,7 +162,10 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST) -
             raise ValueError(scenario)
     finally:
         c.close()
-        shutil.rmtree(work, ignore_errors=True)
+        if os.environ.get("FTRT_BENCH_KEEP"):
+            result["work"] = str(work)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     return result
 
 
