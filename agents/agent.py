@@ -73,9 +73,12 @@ def detect_host(endpoints: str) -> str:
         return "127.0.0.1"
     if ip.startswith("127."):
         return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((ip, port))
-        return s.getsockname()[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ip, port))
+            return s.getsockname()[0]
+    except OSError:
+        return ip
 
 
 class _Prefix(logging.LoggerAdapter):
@@ -147,8 +150,9 @@ class Agent:
 
     async def _run(self) -> int:
         cfg = self.cfg
-        endpoints = await self._connect()
-        self.host = cfg.host or detect_host(endpoints)
+        # Spares first: their torch import is the slow part of joining, so it overlaps with
+        # everything else the agent does before it can join.
+        self.host = cfg.host or ("127.0.0.1" if cfg.standalone else detect_host(cfg.etcd or ""))
         self._run_dir = tempfile.mkdtemp(prefix=f"ftrt-{cfg.node_id}-")
         self._fence = FenceWriter(os.path.join(self._run_dir, "fence"))
         base_env = dict(os.environ)
@@ -159,7 +163,8 @@ class Agent:
             warm=cfg.warm_workers, warm_imports=cfg.warm_imports, base_env=base_env,
             log_dir=cfg.log_dir, on_exit=self._on_worker_exit,
         )
-        await self.pool.fill_spares()  # start the slow part (torch import) first
+        await self.pool.fill_spares()
+        endpoints = await self._connect()
         from ftrt.agents.service import start_server
 
         self._server, port = await start_server(self, self.host, cfg.agent_port)

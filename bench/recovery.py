@@ -47,8 +47,10 @@ CAP = 90.0  # seconds a recovery may take before the run is recorded as "no reco
 class Cluster:
     """Nodes of one system (ftrt or torchrun) sharing a step log."""
 
-    def __init__(self, system: str, work: Path, *, nnodes: str = "2:3", torchrun_conf: str = TORCHRUN_BEST):
+    def __init__(self, system: str, work: Path, *, nnodes: str = "2:3", torchrun_conf: str = TORCHRUN_BEST,
+                 workload: str = "ddp"):
         self.system = system
+        self.workload = workload
         self.work = work
         self.nnodes = nnodes
         self.torchrun_conf = torchrun_conf
@@ -71,13 +73,17 @@ class Cluster:
             str(SCRIPT), "--steps", str(steps), "--step-time", "0.05", "--progress", str(self.log.path),
             "--all-ranks", "--ckpt", str(self.work / "ckpt.json"), "--fault-marker", str(self.marker),
             "--fail-when", str(self.work / "arm"), "--fail-rank", "1",
+            *(["--plain"] if self.workload == "plain" else []),
         ]
 
     def add(self, node_id: str, script: list[str]) -> LocalNode:
         if self.system == "ftrt":
             node = LocalNode(self.work, node_id, [
                 "--etcd", self._etcd.endpoint, "--job-id", "bench", "--nnodes", self.nnodes,
-                "--lease-ttl", "2", "--max-restarts", "10", *script,
+                "--lease-ttl", "2", "--max-restarts", "10",
+                # The plain workload never imports torch._dynamo, so spares need not either.
+                *(["--warm-import", "torch", "--warm-import", "torch.distributed"] if self.workload == "plain" else []),
+                *script,
             ], env=self.env)
         else:
             node = LocalNode(self.work, node_id, [], env=self.env, command=[
@@ -126,11 +132,11 @@ def _train(c: Cluster, names: list[str], steps: int) -> None:
     time.sleep(1.0)  # a stretch of steady training before the fault
 
 
-def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST) -> dict:
+def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, workload: str = "ddp") -> dict:
     """Run one scenario once on a fresh cluster; return its measurements (seconds)."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-{system}-{scenario}-"))
-    c = Cluster(system, work, torchrun_conf=torchrun_conf)
-    result: dict = {"system": system, "scenario": scenario}
+    c = Cluster(system, work, torchrun_conf=torchrun_conf, workload=workload)
+    result: dict = {"system": system, "scenario": scenario, "workload": workload}
     try:
         if scenario in ("node_loss", "node_loss_rank0", "node_freeze"):
             _train(c, ["n0", "n1", "n2"], steps=100000)
@@ -194,17 +200,18 @@ def _longest_pause(log: StepLog, t0: float, t1: float) -> float:
     return max((b - a for a, b in zip(times, times[1:])), default=0.0)
 
 
-def run(reps: int = 3, scenarios: tuple[str, ...] = SCENARIOS, torchrun_defaults: bool = True) -> dict:
+def run(reps: int = 3, scenarios: tuple[str, ...] = SCENARIOS, torchrun_defaults: bool = True,
+        workload: str = "ddp") -> dict:
     rows = []
     for scenario in scenarios:
         for system in ("ftrt", "torchrun"):
             for rep in range(reps):
-                r = measure(system, scenario)
+                r = measure(system, scenario, workload=workload)
                 r["rep"] = rep
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     if torchrun_defaults:
-        r = measure("torchrun", "node_loss", torchrun_conf="")
+        r = measure("torchrun", "node_loss", torchrun_conf="", workload=workload)
         r.update(rep=0, settings="defaults")
         rows.append(r)
         print(json.dumps(r), flush=True)
@@ -265,16 +272,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--scenario", action="append", choices=SCENARIOS)
     p.add_argument("--no-torchrun-defaults", dest="defaults", action="store_false")
+    p.add_argument("--workload", choices=("ddp", "plain"), default="ddp",
+                   help="ddp: DDP + SGD (imports torch._dynamo); plain: hand-written all-reduce, no dynamo")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     t0 = time.time()
-    res = run(args.reps, tuple(args.scenario or SCENARIOS), args.defaults)
+    res = run(args.reps, tuple(args.scenario or SCENARIOS), args.defaults, args.workload)
     res.update(
         date=time.strftime("%Y-%m-%d %H:%M"), machine=f"{os.cpu_count()} cores",
         command="python -m bench recovery " + " ".join(argv), wall_s=round(time.time() - t0),
     )
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"recovery-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = Path(args.out) / f"recovery-{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(res, indent=2) + "\n")
     print()
     print(render(res["summary"]))

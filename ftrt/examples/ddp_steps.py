@@ -59,6 +59,7 @@ def main() -> None:
     if args.ckpt and os.path.exists(args.ckpt):
         with open(args.ckpt) as f:
             start = json.load(f)["step"] + 1
+    print(f"rank {rank} of {world} (round {rt.round}) starts at step {start}", flush=True)
     marker = args.fault_marker or f"{args.ckpt or args.progress or 'x'}.failed-once"
     for step in range(start, args.steps):
         t0 = time.monotonic()

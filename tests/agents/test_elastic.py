@@ -244,3 +244,32 @@ def test_etcd_leader_loss_is_a_short_pause_the_job_does_not_notice(tmp_path, etc
     finally:
         for n in nodes:
             n.cleanup()
+
+
+def test_sigterm_stops_workers_cleanly_and_leaves_the_job_at_once(tmp_path, make_node, etcd_endpoint, job_id):
+    import asyncio
+
+    from ftrt.agents.keys import JobKeys
+    from ftrt.store.etcd import EtcdStore
+
+    progress = Progress(tmp_path / "p.jsonl")
+    script = ddp_args(progress.path, steps=100000)
+    a = make_node("a", script, nnodes="1:2", extra=("--stop-grace", "3", "--log-dir", str(tmp_path / "logs")))
+    wait_until(lambda: progress.stepping(world=1, ranks=1), 60, "stepping")
+    workers = a.tree()[1:]
+    a.proc.send_signal(15)
+    assert a.wait(20) == 128 + 15
+    assert not [p for p in workers if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
+
+    async def node_key():
+        store = EtcdStore(etcd_endpoint)
+        try:
+            return (await store.get(JobKeys(job_id).node("a")))[0]
+        finally:
+            await store.close()
+
+    # The lease was revoked on the way out: the node is gone now, not after its TTL.
+    assert asyncio.run(node_key()) is None
+    log_file = tmp_path / "logs" / "round-1" / "rank-0.log"
+    assert log_file.read_text().startswith("rank 0 of 1 (round 1) starts at step 0")
+    assert "[rank0]: rank 0 of 1 (round 1) starts at step 0" in a.log()  # console lines are prefixed
