@@ -81,8 +81,9 @@ def main() -> None:
     if os.environ.pop("FTRT_WARM_STORE", "0") == "1":
         import torch.distributed as dist
 
+        # The server listens on every interface; the name is only for its own client connection.
         _STORE = dist.TCPStore(
-            os.environ.get("FTRT_HOST", "127.0.0.1"), 0, is_master=True,
+            "127.0.0.1", 0, is_master=True,
             wait_for_workers=False, use_libuv=True,
         )
         store_port = _STORE.port

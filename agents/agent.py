@@ -43,6 +43,7 @@ from ftrt.agents.rendezvous import Rendezvous
 from ftrt.agents.session import Session
 from ftrt.agents.states import AgentState, check_transition
 from ftrt.agents.worker_env import worker_env
+from ftrt.agents.early import EarlyStart
 from ftrt.agents.workers import Worker, WorkerPool
 from ftrt.errors import (
     FtrtError,
@@ -90,8 +91,9 @@ class _Prefix(logging.LoggerAdapter):
 class Agent:
     """One node's agent. ``await Agent(cfg).run()`` returns the process exit code."""
 
-    def __init__(self, cfg: LaunchConfig, *, store: Store | None = None) -> None:
+    def __init__(self, cfg: LaunchConfig, *, store: Store | None = None, early: "EarlyStart | None" = None) -> None:
         self.cfg = cfg
+        self._early = early
         self.keys = JobKeys(cfg.job_id)
         self.state = AgentState.STARTING
         self.worker_round = 0
@@ -151,19 +153,17 @@ class Agent:
     async def _run(self) -> int:
         cfg = self.cfg
         # Spares first: their torch import is the slow part of joining, so it overlaps with
-        # everything else the agent does before it can join.
+        # everything else the agent does before it can join. The CLI may have started them already.
         self.host = cfg.host or ("127.0.0.1" if cfg.standalone else detect_host(cfg.etcd or ""))
-        self._run_dir = tempfile.mkdtemp(prefix=f"ftrt-{cfg.node_id}-")
-        self._fence = FenceWriter(os.path.join(self._run_dir, "fence"))
-        base_env = dict(os.environ)
-        if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base_env:
-            base_env["OMP_NUM_THREADS"] = "1"
+        early = self._early or EarlyStart.for_config(cfg)
+        self._run_dir, self._fence = early.run_dir, early.fence
         self.pool = WorkerPool(
-            nproc=cfg.nproc_per_node, host=self.host, fence_path=self._fence.path,
-            warm=cfg.warm_workers, warm_imports=cfg.warm_imports, base_env=base_env,
+            nproc=cfg.nproc_per_node, fence_path=self._fence.path,
+            warm=cfg.warm_workers, warm_imports=cfg.warm_imports, base_env=early.base_env,
             log_dir=cfg.log_dir, on_exit=self._on_worker_exit,
         )
-        await self.pool.fill_spares()
+        self.pool.adopt_spares(early.take_spawned())
+        self.pool.fill_spares()
         endpoints = await self._connect()
         from ftrt.agents.service import start_server
 
@@ -496,10 +496,10 @@ class Agent:
             shutil.rmtree(self._run_dir, ignore_errors=True)
 
 
-def run_agent(cfg: LaunchConfig) -> int:
+def run_agent(cfg: LaunchConfig, early: EarlyStart | None = None) -> int:
     """Run an agent to completion in a fresh event loop; return the exit code."""
     try:
-        return asyncio.run(Agent(cfg).run())
+        return asyncio.run(Agent(cfg, early=early).run())
     except FtrtError:
         raise
     except KeyboardInterrupt:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
-from ftrt.agents.config import LaunchConfig, load_config
 from ftrt.errors import ConfigError
+
+if TYPE_CHECKING:  # the config module imports pydantic; keep it off the fast start path
+    from ftrt.agents.config import LaunchConfig
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_launch_args(argv: list[str]) -> LaunchConfig:
+def parse_launch_args(argv: list[str]) -> "LaunchConfig":
     """Turn ``ftrt launch`` arguments into a validated :class:`LaunchConfig`."""
-    ns = build_parser().parse_args(argv)
+    return config_from_namespace(build_parser().parse_args(argv))
+
+
+def config_from_namespace(ns: argparse.Namespace) -> "LaunchConfig":
+    """Validate parsed ``ftrt launch`` arguments into a :class:`LaunchConfig`."""
+    from ftrt.agents.config import load_config
+
     if ns.target is None:
         raise ConfigError("Give the training script to run (or -m MODULE), e.g. ftrt launch train.py.")
     for ignored in ("rdzv_backend", "rdzv_conf"):
@@ -118,6 +127,22 @@ def parse_launch_args(argv: list[str]) -> LaunchConfig:
 
 
 def launch_main(argv: list[str]) -> int:
-    from ftrt.agents.agent import run_agent
+    from ftrt.agents.early import EarlyStart
+    from ftrt.agents.workers import DEFAULT_WARM_IMPORTS
 
-    return run_agent(parse_launch_args(argv))
+    ns = build_parser().parse_args(argv)
+    early = None
+    if ns.target is not None and ns.warm_workers and 1 <= ns.nproc_per_node <= 1024:
+        # Spares start now, before the imports below: see ftrt.agents.early.
+        early = EarlyStart.begin(
+            nproc=ns.nproc_per_node, warm=True,
+            warm_imports=tuple(ns.warm_imports) if ns.warm_imports else DEFAULT_WARM_IMPORTS,
+        )
+    try:
+        cfg = config_from_namespace(ns)
+        from ftrt.agents.agent import run_agent
+    except BaseException:
+        if early is not None:
+            early.discard()
+        raise
+    return run_agent(cfg, early)

@@ -14,6 +14,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ftrt.agents.keys import check_id
+from ftrt.agents.workers import DEFAULT_WARM_IMPORTS
 from ftrt.errors import ConfigError
 
 
@@ -70,8 +71,9 @@ class LaunchConfig(BaseModel):
         True, description="Keep workers pre-started with torch imported so a restart skips the boot."
     )
     warm_imports: tuple[str, ...] = Field(
-        ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo"),
-        description="Modules a warm worker imports while it waits (torch._dynamo: DDP and optimizers import it on first use, 2-3 s here).",
+        DEFAULT_WARM_IMPORTS,
+        description="Modules a warm worker imports while it waits (torch._dynamo: DDP and optimizers "
+        "import it on first use, 2-3 s here).",
     )
     exit_barrier_timeout: float = Field(
         300.0, ge=0, description="Seconds a finished node waits for the other members to finish."

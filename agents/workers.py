@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,16 +28,78 @@ log = logging.getLogger(__name__)
 IDLE_WARM_GRACE = 2.0
 """Seconds a replacement spare warms at SCHED_IDLE before it is moved to normal priority."""
 
+DEFAULT_WARM_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+"""What spares import while they wait. DDP and every torch.optim optimizer import torch._dynamo
+on first use (2-3 s here), so a spare that skipped it would pay it after its assignment."""
+
+
+@dataclass(eq=False)
+class Spawned:
+    """A bootstrap process just started, not yet watched by an event loop."""
+
+    popen: subprocess.Popen
+    control_fd: int
+    report_fd: int
+    hosts_store: bool
+    spawned_at: float
+
+
+def spawn_bootstrap(
+    *,
+    base_env: dict[str, str],
+    fence_path: str,
+    warm_imports: tuple[str, ...],
+    hosts_store: bool,
+    idle: bool,
+) -> Spawned:
+    """Start one ``ftrt.agents._bootstrap`` process (synchronous: a fork and an exec).
+
+    The CLI calls this before it imports the agent's heavier modules, so a new node's spares
+    start importing torch as early as possible; the pool adopts them once its loop runs.
+    """
+    ctl_r, ctl_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    env = dict(base_env)
+    env.update(
+        FTRT_CONTROL_FD=str(ctl_r),
+        FTRT_REPORT_FD=str(rep_w),
+        FTRT_FENCE_FILE=fence_path,
+        FTRT_WARM_STORE="1" if hosts_store else "0",
+        FTRT_WARM_IMPORTS=",".join(warm_imports),
+        FTRT_WARM_IDLE="1" if idle else "0",
+        FTRT_AGENT_PID=str(os.getpid()),
+    )
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "ftrt.agents._bootstrap"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(ctl_r, rep_w),
+            env=env,
+            start_new_session=True,
+        )
+    except BaseException:
+        for fd in (ctl_w, rep_r):
+            os.close(fd)
+        raise
+    finally:
+        os.close(ctl_r)
+        os.close(rep_w)
+    return Spawned(popen, ctl_w, rep_r, hosts_store, time.monotonic())
+
 
 @dataclass(eq=False)
 class Worker:
     """One worker process, warm or assigned."""
 
-    proc: asyncio.subprocess.Process
+    proc: subprocess.Popen
     control_fd: int
     hosts_store: bool
     spawned_at: float
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
     store_port: int = 0
     state: str = "warming"  # warming -> warm -> running -> exited
     local_rank: int = -1
@@ -64,7 +127,6 @@ class WorkerPool:
 
     Args:
         nproc: workers per round.
-        host: address this node's TCPStore is reached at (MASTER_ADDR when it is member 0).
         fence_path: the agent's fence file, given to every worker.
         warm: keep spares warm; without it every start is cold.
         warm_imports: modules a spare imports while it waits.
@@ -77,7 +139,6 @@ class WorkerPool:
         self,
         *,
         nproc: int,
-        host: str,
         fence_path: str,
         warm: bool,
         warm_imports: tuple[str, ...],
@@ -88,7 +149,6 @@ class WorkerPool:
         out: IO[bytes] | None = None,
     ) -> None:
         self.nproc = nproc
-        self.host = host
         self.fence_path = fence_path
         self.warm = warm
         self.warm_imports = warm_imports
@@ -104,51 +164,38 @@ class WorkerPool:
         self._refill: asyncio.Task | None = None
 
     # -- spawning -------------------------------------------------------------------------------
-    async def _spawn(self, *, hosts_store: bool, idle: bool) -> Worker:
-        ctl_r, ctl_w = os.pipe()
-        rep_r, rep_w = os.pipe()
-        env = dict(self.base_env)
-        env.update(
-            FTRT_CONTROL_FD=str(ctl_r),
-            FTRT_REPORT_FD=str(rep_w),
-            FTRT_FENCE_FILE=self.fence_path,
-            FTRT_WARM_STORE="1" if hosts_store else "0",
-            FTRT_WARM_IMPORTS=",".join(self.warm_imports),
-            FTRT_WARM_IDLE="1" if idle else "0",
-            FTRT_AGENT_PID=str(os.getpid()),
-            FTRT_HOST=self.host,
+    def _spawn(self, *, hosts_store: bool, idle: bool) -> Worker:
+        return self.adopt(spawn_bootstrap(
+            base_env=self.base_env, fence_path=self.fence_path, warm_imports=self.warm_imports,
+            hosts_store=hosts_store, idle=idle,
+        ))
+
+    def adopt(self, spawned: Spawned) -> Worker:
+        """Watch a started bootstrap process (output, reports, exit) as a spare."""
+        worker = Worker(
+            proc=spawned.popen, control_fd=spawned.control_fd, hosts_store=spawned.hosts_store,
+            spawned_at=spawned.spawned_at,
         )
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "ftrt.agents._bootstrap",
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                pass_fds=(ctl_r, rep_w),
-                env=env,
-                start_new_session=True,
-            )
-        finally:
-            os.close(ctl_r)
-            os.close(rep_w)
-        worker = Worker(proc=proc, control_fd=ctl_w, hosts_store=hosts_store, spawned_at=time.monotonic())
         self._all.add(worker)
         worker.tasks = [
-            asyncio.create_task(self._pump(worker, proc.stdout)),
-            asyncio.create_task(self._pump(worker, proc.stderr)),
-            asyncio.create_task(self._reports(worker, rep_r)),
+            asyncio.create_task(self._pump(worker, spawned.popen.stdout)),
+            asyncio.create_task(self._pump(worker, spawned.popen.stderr)),
+            asyncio.create_task(self._reports(worker, spawned.report_fd)),
             asyncio.create_task(self._wait(worker)),
         ]
         return worker
 
-    async def fill_spares(self, *, idle: bool = False) -> None:
+    def adopt_spares(self, spawned: list[Spawned]) -> None:
+        """Take over spares the CLI started before the event loop existed."""
+        self.spares.extend(self.adopt(s) for s in spawned)
+
+    def fill_spares(self, *, idle: bool = False) -> None:
         """Start spares until ``nproc`` are warm or warming (one of them holding a store)."""
         if not self.warm or self._closed:
             return
         while len(self.spares) < self.nproc:
             need_store = not any(w.hosts_store for w in self.spares)
-            self.spares.append(await self._spawn(hosts_store=need_store, idle=idle))
+            self.spares.append(self._spawn(hosts_store=need_store, idle=idle))
 
     def refill_later(self, delay: float) -> None:
         """Replace used spares after ``delay`` seconds (or now if 0), at idle priority."""
@@ -162,7 +209,7 @@ class WorkerPool:
             t0 = time.monotonic()
             if len(self.spares) >= self.nproc:
                 return
-            await self.fill_spares(idle=bool(self.running))
+            self.fill_spares(idle=bool(self.running))
             try:
                 await asyncio.wait_for(self.spares_ready(), IDLE_WARM_GRACE)
             except asyncio.TimeoutError:
@@ -189,10 +236,10 @@ class WorkerPool:
         """``nproc`` workers for a round, index 0 holding a TCPStore; cold-started if needed."""
         alive = [w for w in self.spares if w.exit_code is None]
         store_holders = [w for w in alive if w.hosts_store]
-        first = store_holders[0] if store_holders else await self._spawn(hosts_store=True, idle=False)
+        first = store_holders[0] if store_holders else self._spawn(hosts_store=True, idle=False)
         rest = [w for w in alive if w is not first][: self.nproc - 1]
         while len(rest) < self.nproc - 1:
-            rest.append(await self._spawn(hosts_store=False, idle=False))
+            rest.append(self._spawn(hosts_store=False, idle=False))
         chosen = [first, *rest]
         self.spares = [w for w in self.spares if w not in chosen and w.exit_code is None]
         for w in chosen:
@@ -246,11 +293,11 @@ class WorkerPool:
             w.stopping = True
             _signal_group(w, signal.SIGKILL if grace <= 0 else signal.SIGTERM)
         if grace > 0 and live:
-            done, pending = await asyncio.wait([asyncio.ensure_future(w.proc.wait()) for w in live], timeout=grace)
+            await asyncio.wait([asyncio.ensure_future(w.exited.wait()) for w in live], timeout=grace)
             for w in live:
-                if w.exit_code is None and w.proc.returncode is None:
+                if not w.exited.is_set():
                     _signal_group(w, signal.SIGKILL)
-        await asyncio.gather(*(w.proc.wait() for w in live), return_exceptions=True)
+        await asyncio.gather(*(w.exited.wait() for w in live), return_exceptions=True)
         # Grandchildren in the worker's process group die with it.
         for w in live:
             _signal_group(w, signal.SIGKILL)
@@ -274,7 +321,17 @@ class WorkerPool:
                 w.log_file.close()
 
     # -- background readers ---------------------------------------------------------------------
-    async def _pump(self, worker: Worker, stream: asyncio.StreamReader) -> None:
+    async def _pump(self, worker: Worker, pipe: IO[bytes]) -> None:
+        stream = asyncio.StreamReader(limit=1 << 20)
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(stream), pipe
+        )
+        try:
+            await self._pump_lines(worker, stream)
+        finally:
+            transport.close()
+
+    async def _pump_lines(self, worker: Worker, stream: asyncio.StreamReader) -> None:
         while True:
             try:
                 line = await stream.readline()
@@ -320,8 +377,9 @@ class WorkerPool:
             transport.close()
 
     async def _wait(self, worker: Worker) -> None:
-        code = await worker.proc.wait()
+        code = await _exit_code(worker.proc)
         worker.exit_code = code
+        worker.exited.set()
         worker.ready.set()  # nobody waits forever on a dead spare
         if worker in self.spares:
             self.spares.remove(worker)
@@ -341,6 +399,23 @@ class WorkerPool:
         if worker.log_file is not None:
             worker.log_file.close()
             worker.log_file = None
+
+
+async def _exit_code(proc: subprocess.Popen) -> int:
+    """Wait for a child's exit without a thread: its pidfd turns readable when it exits."""
+    loop = asyncio.get_running_loop()
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        return await asyncio.to_thread(proc.wait)
+    done = loop.create_future()
+    loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    return proc.wait()
 
 
 def _boost(worker: Worker) -> None:
