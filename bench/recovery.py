@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "ftrt" / "examples" / "ddp_steps.py"
 TORCHRUN_BEST = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 SCENARIOS = ("node_loss", "node_loss_rank0", "worker_crash", "node_join", "node_freeze")
+LOG_ROOT = ROOT / "bench" / "results" / "logs"
+"""Every run's agent logs are kept here, so an outlier can be explained afterwards."""
 CAP = 90.0  # seconds a recovery may take before the run is recorded as "no recovery"
 
 
@@ -168,6 +170,11 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
             raise ValueError(scenario)
     finally:
         c.close()
+        logs = LOG_ROOT / f"{system}-{scenario}-{time.strftime('%H%M%S')}"
+        logs.mkdir(parents=True, exist_ok=True)
+        for f in work.glob("agent-*.log"):
+            shutil.copy(f, logs / f.name)
+        result["logs"] = str(logs.relative_to(ROOT)) if logs.is_relative_to(ROOT) else str(logs)
         if os.environ.get("FTRT_BENCH_KEEP"):
             result["work"] = str(work)
         else:
