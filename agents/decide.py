@@ -160,7 +160,7 @@ def decide_round(now: float, view: View, cfg: RendezvousConfig) -> Decision:
             if restart_count > cfg.max_restarts:
                 return Decision(
                     Action.FAIL,
-                    f"workers failed again ({detail}) and the restart budget of "
+                    f"workers failed ({detail}) and the restart budget of "
                     f"{cfg.max_restarts} restarts is spent",
                 )
         new = _next_round(cur, members, cfg, reason, restart_count)

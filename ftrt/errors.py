@@ -62,3 +62,7 @@ class WorkerFailure(FtrtError):
 
 class CheckpointCorrupt(FtrtError):
     """A checkpoint failed verification (missing file, wrong size or checksum)."""
+
+
+class CheckpointSaveFailed(FtrtError):
+    """A checkpoint could not be persisted; nothing was committed."""

@@ -36,6 +36,12 @@ def _cmd_etcd(args: argparse.Namespace, rest: list[str]) -> int:
     return etcd_main(rest)
 
 
+def _cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
+    from ftrt.checkpoint.cli import ckpt_main
+
+    return ckpt_main(rest)
+
+
 def _cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
     from ftrt.demo import demo_main
 
@@ -46,6 +52,7 @@ COMMANDS: dict[str, tuple[Handler, str]] = {
     "launch": (_cmd_launch, "run a training script on this node under an ftrt agent (torchrun drop-in)"),
     "status": (_cmd_status, "show a job's members, round, restarts and recent events"),
     "etcd": (_cmd_etcd, "run a local etcd server in the foreground (to try multi-node on one machine)"),
+    "ckpt": (_cmd_ckpt, "list, inspect or verify checkpoints: ftrt ckpt ls|inspect|verify URL [STEP]"),
     "demo": (_cmd_demo, "the main demo: an elastic job on 3 local nodes that loses one and goes on"),
 }
 

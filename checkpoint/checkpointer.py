@@ -1,0 +1,388 @@
+"""The :class:`Checkpointer`: sharded async saves with atomic checksummed commits, verified restore.
+
+Save = stage, then persist:
+
+1. ``save(step, state)`` resolves ``state`` to DCP's dict (references, no copy), deep-copies the
+   plain Python values, takes a staging slot (waiting if all are busy), queues the tensor copy on
+   the staging thread and returns a :class:`SaveHandle` at once.
+2. The staging thread copies tensors into the slot's reusable buffers; ``handle.wait_staged()``
+   returns after that, and from then on the caller may change its tensors (call it before
+   ``optimizer.step()``).
+3. The persist thread writes the staged copy with ``dcp.save`` into ``step-<N>/`` on a process
+   group of its own (gloo), so its collectives never meet the training loop's. Then every rank
+   checksums the files it wrote, rank 0 gathers the sizes and checksums and writes
+   ``manifest.json`` last: the checkpoint exists from that moment on. Storage errors are retried
+   (``retries`` times, backing off); a save that still fails raises from ``handle.wait()``,
+   leaves no manifest, and does not stop training.
+4. Rank 0 then deletes checkpoints beyond the newest ``keep`` and abandoned folders, on a thread
+   of its own.
+
+``restore(state)`` takes the newest checkpoint whose manifest is valid and whose files all match
+their sizes and checksums (ranks verify disjoint shares in parallel), skipping damaged ones with a
+warning, and loads it in place with ``dcp.load`` (which reshards DTensors to the current world).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from ftrt.checkpoint import manifest as mf
+from ftrt.checkpoint import state as st
+from ftrt.checkpoint.staging import Stager
+from ftrt.checkpoint.storage import (
+    MANIFEST,
+    Location,
+    dcp_reader,
+    dcp_writer,
+    list_steps,
+    parse_url,
+    step_dir,
+    write_bytes,
+)
+from ftrt.errors import CheckpointCorrupt, CheckpointSaveFailed, ConfigError
+
+log = logging.getLogger(__name__)
+
+# DCP warns on every single-process save and load even when asked for one (no_dist=True).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class SaveHandle:
+    """The progress of one save."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self._staged = threading.Event()
+        self._future: cf.Future | None = None
+        self.stage_s = 0.0
+        self.persist_s = 0.0
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Return once the state has been copied; the caller may then change its tensors."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"Staging of step {self.step} did not finish within {timeout} s.")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Return once the checkpoint is committed; raise :class:`CheckpointSaveFailed` if it failed."""
+        assert self._future is not None
+        self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future is not None and self._future.done()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure, once done; None while running or after success."""
+        if self._future is None or not self._future.done():
+            return None
+        return self._future.exception()
+
+
+class Checkpointer:
+    """Sharded async checkpoints under one URL. See the module docstring.
+
+    Args:
+        url: local path, ``file://``, ``s3://bucket/prefix`` or ``memory://name``.
+        keep: committed checkpoints to keep (the newest valid one is never deleted).
+        storage_options: fsspec options (for S3: ``key``, ``secret``,
+            ``client_kwargs={"endpoint_url": ...}``); the usual environment variables work too.
+        process_group: ranks taking part (default: the whole world if torch.distributed is
+            initialised, else this process alone). Must be created on every rank alike.
+        staging_slots: staged copies that may wait for persistence at once (host memory bound).
+        retries: attempts after the first when persisting fails.
+        thread_count: DCP writer threads per rank.
+        on_commit: called as ``on_commit(step)`` on rank 0 after a manifest is written (the
+            runtime uses it to move the job's ``latest`` pointer).
+        latest_limit: called at restore; returns the highest step allowed (the job's pointer),
+            or None for no limit.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        keep: int = 3,
+        storage_options: dict | None = None,
+        *,
+        process_group: Any = None,
+        staging_slots: int = 2,
+        retries: int = 3,
+        retry_backoff: float = 0.5,
+        thread_count: int = 2,
+        on_commit: Callable[[int], None] | None = None,
+        latest_limit: Callable[[], int | None] | None = None,
+        round_no: int = 0,
+    ) -> None:
+        if keep < 1:
+            raise ConfigError(f"keep={keep}: a checkpointer must keep at least 1 checkpoint.")
+        self.loc: Location = parse_url(url, storage_options)
+        self.keep = keep
+        self.retries = retries
+        self.retry_backoff = retry_backoff
+        self.thread_count = thread_count
+        self.on_commit = on_commit
+        self.latest_limit = latest_limit
+        self.round_no = round_no
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed:
+            self.rank = dist.get_rank()
+            self.world = dist.get_world_size(process_group) if process_group else dist.get_world_size()
+            # A group of its own: checkpoint collectives run on a background thread and must never
+            # interleave with the training loop's.
+            ranks = dist.get_process_group_ranks(process_group) if process_group else None
+            self._pg = dist.new_group(ranks=ranks, backend="gloo")
+        else:
+            self.rank, self.world, self._pg = 0, 1, None
+        self._stager = Stager(staging_slots)
+        self._stage_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftrt-ckpt-stage")
+        self._persist_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftrt-ckpt-persist")
+        self._delete_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftrt-ckpt-delete")
+        self._pending: list[SaveHandle] = []
+        self._closed = False
+        self.last_committed: int | None = None
+        if self.rank == 0 and self.loc.is_local:
+            self.loc.fs.makedirs(self.loc.root, exist_ok=True)
+
+    # -- collectives on our own group ------------------------------------------------------------
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self._pg)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0), group=self._pg)
+        return box[0]
+
+    # -- save -----------------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
+        """Start a save of ``state`` as ``step``; returns at once (see the module docstring)."""
+        if self._closed:
+            raise ConfigError("This Checkpointer is closed; create a new one to save again.")
+        if not isinstance(step, int) or step < 0:
+            raise ConfigError(f"The checkpoint step must be an int >= 0, got {step!r}.")
+        sd = self._stager.snapshot_plain(st.to_dcp(state))
+        slot = self._stager.acquire()
+        handle = SaveHandle(step)
+        staged = self._stage_pool.submit(self._stage, slot, sd, handle)
+        handle._future = self._persist_pool.submit(self._persist, step, slot, staged, handle)
+        self._pending = [h for h in self._pending if not h.done()] + [handle]
+        return handle
+
+    def _stage(self, slot: int, sd: Any, handle: SaveHandle) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._stager.stage(slot, sd)
+        finally:
+            handle.stage_s = time.perf_counter() - t0
+            handle._staged.set()
+
+    def _persist(self, step: int, slot: int, staged: cf.Future, handle: SaveHandle) -> None:
+        t0 = time.perf_counter()
+        try:
+            sd = staged.result()
+            folder = step_dir(step)
+            already = self._broadcast(self._committed_or_unknown(folder) if self.rank == 0 else None)
+            if already:
+                log.info("checkpoint step %d is already committed; not saving it again", step)
+                return
+            error: BaseException | None = None
+            for attempt in range(self.retries + 1):
+                try:
+                    self._write(folder, step, sd)
+                    error = None
+                    break
+                except Exception as exc:  # storage errors come in many types (OSError, botocore, DCP's)
+                    error = exc
+                    if attempt < self.retries:
+                        delay = self.retry_backoff * (2 ** attempt)
+                        log.warning("checkpoint step %d: attempt %d failed (%s); retrying in %.1f s",
+                                    step, attempt + 1, _short(exc), delay)
+                        time.sleep(delay)
+            if error is not None:
+                raise CheckpointSaveFailed(
+                    f"Checkpoint step {step} was not saved to {self.loc.url} after {self.retries + 1} "
+                    f"attempts: {_short(error)}. Nothing was committed; training can go on."
+                ) from error
+            self.last_committed = step
+            if self.rank == 0:
+                self._delete_pool.submit(self._retain)
+        finally:
+            self._stager.release(slot)
+            handle.persist_s = time.perf_counter() - t0
+
+    def _committed(self, folder: str) -> bool:
+        """Whether ``folder`` holds a valid manifest. Storage errors propagate: "cannot tell" must
+        never read as "not committed" where that leads to deletion."""
+        try:
+            mf.read_manifest(self.loc, folder)
+            return True
+        except CheckpointCorrupt:
+            return False
+
+    def _committed_or_unknown(self, folder: str) -> bool:
+        try:
+            return self._committed(folder)
+        except Exception:  # storage down: the save attempt below reports it
+            return False
+
+    def _write(self, folder: str, step: int, sd: Any) -> None:
+        """One attempt: DCP save, checksums, manifest (rank 0), all ranks agree on the outcome."""
+        import torch.distributed.checkpoint as dcp
+
+        cleared = None
+        if self.rank == 0:
+            try:
+                if self.loc.fs.exists(self.loc.path(folder)):
+                    self.loc.fs.rm(self.loc.path(folder), recursive=True)  # leftovers of a failed attempt
+            except Exception as exc:
+                cleared = f"rank 0 could not clear {folder}: {_short(exc)}"
+        cleared = self._broadcast(cleared)  # every rank learns the outcome: no one waits alone
+        if cleared:
+            raise OSError(cleared)
+        writer = dcp_writer(self.loc, folder, self.thread_count)
+        dcp.save(sd, storage_writer=writer, process_group=self._pg, no_dist=not self.distributed)
+        mine: dict[str, mf.FileEntry] | str
+        try:
+            names = [p.rsplit("/", 1)[-1] for p in self.loc.fs.ls(self.loc.path(folder), detail=False)]
+            own = [n for n in names if n.startswith(f"__{self.rank}_") or (self.rank == 0 and n == ".metadata")]
+            mine = {n: mf.checksum_file(self.loc, self.loc.path(folder, n)) for n in own}
+        except Exception as exc:
+            mine = f"rank {self.rank}: {_short(exc)}"
+        parts = self._all_gather(mine)
+        failures = [p for p in parts if isinstance(p, str)]
+        if failures:
+            raise OSError("; ".join(failures))
+        outcome = None
+        if self.rank == 0:
+            files: dict[str, mf.FileEntry] = {}
+            for p in parts:
+                files.update(p)
+            m = mf.Manifest(step=step, world_size=self.world, files=files, round=self.round_no, time=time.time())
+            try:
+                write_bytes(self.loc, self.loc.path(folder, MANIFEST), m.to_json())
+                if self.on_commit is not None:
+                    self.on_commit(step)
+            except Exception as exc:
+                outcome = f"rank 0 could not commit: {_short(exc)}"
+        outcome = self._broadcast(outcome)
+        if outcome:
+            raise OSError(outcome)
+
+    def _retain(self) -> None:
+        """Delete all but the newest ``keep`` committed checkpoints, and dead uncommitted folders."""
+        try:
+            steps = list_steps(self.loc)
+            committed = [s for s in steps if self._committed(step_dir(s))]
+            keep = set(committed[-self.keep:])
+            newest = committed[-1] if committed else -1
+            for s in steps:
+                if s in keep or s > newest:
+                    continue  # never the kept ones, nor a save that may still be in flight
+                self.loc.fs.rm(self.loc.path(step_dir(s)), recursive=True)
+                log.debug("deleted checkpoint step %d", s)
+        except Exception as exc:
+            log.warning("checkpoint retention failed (will retry after the next save): %s", _short(exc))
+
+    # -- restore --------------------------------------------------------------------------------
+    def wait_pending(self) -> None:
+        """Wait for every save started so far (failures are not raised here)."""
+        for h in self._pending:
+            if h._future is not None:
+                cf.wait([h._future])
+        self._pending = []
+
+    def restore(self, state: dict[str, Any]) -> int | None:
+        """Load the newest verified checkpoint into ``state`` in place; return its step.
+
+        Returns None when there is no checkpoint at all; raises :class:`CheckpointCorrupt` when
+        checkpoints exist but none verifies (the message lists why each was rejected).
+        """
+        import torch.distributed.checkpoint as dcp
+
+        self.wait_pending()
+        limit = self.latest_limit() if self.latest_limit is not None else None
+        steps = self._broadcast(list_steps(self.loc) if self.rank == 0 else None)
+        rejected: list[str] = []
+        for step in reversed(steps):
+            folder = step_dir(step)
+            if limit is not None and step > limit:
+                rejected.append(f"step {step}: newer than the job's committed pointer (step {limit})")
+                continue
+            reason = self._verify(folder)
+            if reason:
+                log.warning("skipping checkpoint %s: %s", folder, reason)
+                rejected.append(f"step {step}: {reason}")
+                continue
+            target = st.to_dcp(state)
+            dcp.load(target, storage_reader=dcp_reader(self.loc, folder), process_group=self._pg,
+                     no_dist=not self.distributed)
+            st.apply(state, target)
+            log.info("restored checkpoint step %d from %s", step, self.loc.url)
+            return step
+        if rejected:
+            raise CheckpointCorrupt(
+                f"No valid checkpoint under {self.loc.url}: " + "; ".join(rejected) + "."
+            )
+        return None
+
+    def _verify(self, folder: str) -> str | None:
+        """None if the checkpoint verifies on every rank, else the first reason found."""
+        found: Any
+        if self.rank == 0:
+            try:
+                found = mf.read_manifest(self.loc, folder)
+            except CheckpointCorrupt as exc:
+                found = str(exc)
+        else:
+            found = None
+        found = self._broadcast(found)
+        if isinstance(found, str):
+            return found
+        names = sorted(found.files)
+        share = names[self.rank::self.world]
+        try:
+            mf.verify_files(self.loc, folder, found, share)
+            mine = None
+        except CheckpointCorrupt as exc:
+            mine = str(exc)
+        except Exception as exc:
+            mine = f"could not read files: {_short(exc)}"
+        reasons = [r for r in self._all_gather(mine) if r]
+        return reasons[0] if reasons else None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for pending saves, stop background threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait_pending()
+        self._stage_pool.shutdown(wait=True)
+        self._persist_pool.shutdown(wait=True)
+        self._delete_pool.shutdown(wait=True)
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
+__all__ = ["Checkpointer", "SaveHandle"]

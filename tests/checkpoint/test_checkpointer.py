@@ -1,0 +1,257 @@
+"""The Checkpointer in one process: round trips, staging semantics, corruption, retention, S3."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftrt.checkpoint import Checkpointer
+from ftrt.checkpoint.storage import list_steps, parse_url, step_dir
+from ftrt.errors import CheckpointCorrupt, CheckpointSaveFailed, ConfigError
+
+
+def make_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return {
+        "model": model, "optim": opt, "step": 3, "buf": torch.arange(6.0),
+        "meta": {"prompts_done": [1, 2, 3], "name": "run", "lr": 1e-3},
+    }
+
+
+def fresh_state() -> dict:
+    s = make_state(seed=99)
+    s.update(step=0, buf=torch.zeros(6), meta={"prompts_done": [], "name": "", "lr": 0.0})
+    return s
+
+
+def same_params(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_round_trip_restores_modules_optimizer_tensors_and_plain_values(tmp_path):
+    src = make_state()
+    with Checkpointer(str(tmp_path / "ck")) as ck:
+        ck.save(3, src).wait()
+        dst = fresh_state()
+        assert ck.restore(dst) == 3
+    assert same_params(src["model"], dst["model"])
+    assert torch.equal(dst["buf"], torch.arange(6.0))
+    assert dst["step"] == 3 and dst["meta"] == {"prompts_done": [1, 2, 3], "name": "run", "lr": 1e-3}
+    a, b = src["optim"].state_dict(), dst["optim"].state_dict()
+    for k in a["state"]:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(a["state"][k][name], b["state"][k][name])
+
+
+def test_no_checkpoint_restores_nothing(tmp_path):
+    with Checkpointer(str(tmp_path / "empty")) as ck:
+        assert ck.restore(fresh_state()) is None
+
+
+def test_checkpoint_keeps_the_values_of_save_time_after_in_place_mutation(tmp_path):
+    src = make_state()
+    with Checkpointer(str(tmp_path / "ck")) as ck:
+        before = {k: v.clone() for k, v in src["model"].state_dict().items()}
+        h = ck.save(5, src)
+        h.wait_staged()
+        with torch.no_grad():
+            for p in src["model"].parameters():
+                p.add_(100.0)
+        src["buf"].mul_(-1)
+        src["meta"]["prompts_done"].append(4)
+        h.wait()
+        dst = fresh_state()
+        ck.restore(dst)
+    for k, v in dst["model"].state_dict().items():
+        assert torch.equal(v, before[k])
+    assert torch.equal(dst["buf"], torch.arange(6.0)) and dst["meta"]["prompts_done"] == [1, 2, 3]
+
+
+def test_staging_reuses_its_buffers_and_bounds_pending_saves(tmp_path):
+    src = make_state()
+    with Checkpointer(str(tmp_path / "ck"), keep=2, staging_slots=1) as ck:
+        ck.save(1, src).wait()
+        allocated = ck._stager.allocated_bytes
+        handles = [ck.save(s, src) for s in range(2, 6)]  # one slot: each waits for the previous
+        for h in handles:
+            h.wait()
+        assert ck._stager.allocated_bytes == allocated > 0
+    assert list_steps(parse_url(str(tmp_path / "ck"))) == [4, 5]
+
+
+def _corrupt(path: Path, how: str) -> None:
+    if how == "flip":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif how == "truncate":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "delete":
+        path.unlink()
+
+
+@pytest.mark.parametrize(
+    "target,how",
+    [("__0_0.distcp", "flip"), ("__0_0.distcp", "truncate"), (".metadata", "flip"),
+     ("manifest.json", "truncate"), ("manifest.json", "delete"), ("__0_1.distcp", "delete")],
+)
+def test_damaged_newest_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, caplog, target, how):
+    root = tmp_path / "ck"
+    src = make_state()
+    with Checkpointer(str(root), keep=5) as ck:
+        ck.save(1, src).wait()
+        good = {k: v.clone() for k, v in src["model"].state_dict().items()}
+        with torch.no_grad():
+            for p in src["model"].parameters():
+                p.add_(1.0)
+        ck.save(2, src).wait()
+    _corrupt(root / step_dir(2) / target, how)
+    dst = fresh_state()
+    with Checkpointer(str(root)) as ck:
+        with caplog.at_level("WARNING"):
+            assert ck.restore(dst) == 1
+    assert all(torch.equal(v, good[k]) for k, v in dst["model"].state_dict().items())
+    assert "skipping checkpoint step-000000000002" in caplog.text
+
+
+def test_no_valid_checkpoint_is_a_clear_error(tmp_path):
+    root = tmp_path / "ck"
+    with Checkpointer(str(root)) as ck:
+        ck.save(1, make_state()).wait()
+    _corrupt(root / step_dir(1) / "__0_0.distcp", "flip")
+    with Checkpointer(str(root)) as ck, pytest.raises(CheckpointCorrupt) as err:
+        ck.restore(fresh_state())
+    assert "step 1" in str(err.value) and "__0_0.distcp" in str(err.value) and "checksum" in str(err.value)
+
+
+def test_retention_keeps_the_newest_and_removes_abandoned_folders(tmp_path):
+    root = tmp_path / "ck"
+    src = make_state()
+    with Checkpointer(str(root), keep=2) as ck:
+        ck.save(1, src).wait()
+        (root / step_dir(2)).mkdir()  # an abandoned, never-committed save
+        (root / step_dir(2) / "__0_0.distcp").write_bytes(b"partial")
+        for s in (3, 4, 5):
+            ck.save(s, src).wait()
+        ck._delete_pool.submit(lambda: None).result()
+    assert list_steps(parse_url(str(root))) == [4, 5]
+
+
+def test_saving_an_already_committed_step_is_a_no_op(tmp_path):
+    src = make_state()
+    with Checkpointer(str(tmp_path / "ck")) as ck:
+        ck.save(1, src).wait()
+        manifest = (tmp_path / "ck" / step_dir(1) / "manifest.json").read_bytes()
+        ck.save(1, src).wait()
+        assert (tmp_path / "ck" / step_dir(1) / "manifest.json").read_bytes() == manifest
+
+
+def test_memory_url_and_bad_input(tmp_path):
+    with Checkpointer("memory://unit-test") as ck:
+        ck.save(2, make_state()).wait()
+        dst = fresh_state()
+        assert ck.restore(dst) == 2
+    with pytest.raises(ConfigError, match="unsupported scheme 'gs'"):
+        Checkpointer("gs://bucket/x")
+    with pytest.raises(ConfigError, match="keep=0"):
+        Checkpointer(str(tmp_path), keep=0)
+    with Checkpointer(str(tmp_path / "ck")) as ck:
+        with pytest.raises(ConfigError, match="step must be an int >= 0"):
+            ck.save(-1, make_state())
+        with pytest.raises(ConfigError, match="needs the model"):
+            opt = make_state()["optim"]
+            ck.save(1, {"optim": opt})
+
+
+def test_a_process_killed_mid_save_leaves_nothing_restore_would_load(tmp_path):
+    root = tmp_path / "ck"
+    with Checkpointer(str(root)) as ck:
+        ck.save(1, make_state()).wait()
+    script = textwrap.dedent(f"""
+        import os, torch
+        import ftrt.checkpoint.manifest as mf
+        from ftrt.checkpoint import Checkpointer
+        real = mf.checksum_file
+        def stall(loc, path):            # the data files are written: die before the manifest
+            print("WRITTEN", flush=True)
+            import time; time.sleep(60)
+        mf.checksum_file = stall
+        ck = Checkpointer({str(root)!r})
+        big = {{"w": torch.randn(1024, 1024)}}
+        ck.save(2, big).wait()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "WRITTEN"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (root / step_dir(2)).exists() and not (root / step_dir(2) / "manifest.json").exists()
+    with Checkpointer(str(root)) as ck:
+        assert ck.restore(fresh_state()) == 1
+
+
+def test_cli_ls_inspect_verify(tmp_path):
+    root = tmp_path / "ck"
+    with Checkpointer(str(root), keep=5) as ck:
+        for s in (1, 2):
+            ck.save(s, make_state()).wait()
+
+    def ftrt(*args):
+        return subprocess.run([sys.executable, "-m", "ftrt.cli.main", "ckpt", *args], capture_output=True, text=True)
+
+    out = ftrt("ls", str(root))
+    assert out.returncode == 0 and "step          1  committed" in out.stdout and "step          2" in out.stdout
+    insp = ftrt("inspect", str(root), "1")
+    assert json.loads(insp.stdout)["step"] == 1
+    assert ftrt("verify", str(root)).returncode == 0
+    _corrupt(root / step_dir(2) / "__0_0.distcp", "flip")
+    bad = ftrt("verify", str(root), "2")
+    assert bad.returncode != 0 and "step 2" in bad.stderr and "__0_0.distcp" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert ftrt("verify", str(root), "1").returncode == 0
+    missing = ftrt("verify", str(root), "7")
+    assert missing.returncode != 0 and "no checkpoint step 7" in missing.stderr
+
+
+def test_s3_round_trip(s3):
+    url, opts, _ = s3
+    src = make_state()
+    with Checkpointer(url, storage_options=opts) as ck:
+        ck.save(4, src).wait()
+        dst = fresh_state()
+        assert ck.restore(dst) == 4
+    assert same_params(src["model"], dst["model"]) and dst["meta"] == src["meta"]
+
+
+def test_s3_outage_during_save_fails_cleanly_and_the_next_save_succeeds(s3):
+    url, opts, proxy = s3
+    src = make_state()
+    with Checkpointer(url, storage_options=opts, retries=1, retry_backoff=0.1) as ck:
+        ck.save(1, src).wait()
+        proxy.cut()
+        h = ck.save(2, src)
+        h.wait_staged()
+        # Training goes on while the save fails in the background.
+        for _ in range(3):
+            src["model"](torch.randn(2, 8)).sum().backward()
+        with pytest.raises(CheckpointSaveFailed, match="step 2 was not saved"):
+            h.wait(120)
+        proxy.restore()
+        ck.save(3, src).wait(120)
+        dst = fresh_state()
+        assert ck.restore(dst) == 3
+    loc = parse_url(url, opts)
+    assert not loc.fs.exists(loc.path(step_dir(2), "manifest.json"))
