@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import threading
 import time
 import warnings
@@ -102,6 +103,7 @@ class Checkpointer:
             runtime uses it to move the job's ``latest`` pointer).
         latest_limit: called at restore; returns the highest step allowed (the job's pointer),
             or None for no limit.
+        persist_nice: niceness added to the persistence thread (Linux; 0 leaves it alone).
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class Checkpointer:
         on_commit: Callable[[int], None] | None = None,
         latest_limit: Callable[[], int | None] | None = None,
         round_no: int = 0,
+        persist_nice: int = 10,
     ) -> None:
         if keep < 1:
             raise ConfigError(f"keep={keep}: a checkpointer must keep at least 1 checkpoint.")
@@ -141,9 +144,16 @@ class Checkpointer:
             self.rank, self.world, self._pg = 0, 1, None
         self._stager = Stager(staging_slots)
         self._stage_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftrt-ckpt-stage")
-        self._persist_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftrt-ckpt-persist")
-        self._delete_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftrt-ckpt-delete")
+        # Persistence and deletion are background work: their threads run at a lower CPU priority
+        # so that on a busy host they take what the training loop leaves.
+        self._persist_pool = cf.ThreadPoolExecutor(
+            1, thread_name_prefix="ftrt-ckpt-persist", initializer=_lower_priority, initargs=(persist_nice,)
+        )
+        self._delete_pool = cf.ThreadPoolExecutor(
+            1, thread_name_prefix="ftrt-ckpt-delete", initializer=_lower_priority, initargs=(persist_nice,)
+        )
         self._pending: list[SaveHandle] = []
+        self._prewarmed = False
         self._closed = False
         self.last_committed: int | None = None
         if self.rank == 0 and self.loc.is_local:
@@ -175,6 +185,9 @@ class Checkpointer:
         slot = self._stager.acquire()
         handle = SaveHandle(step)
         staged = self._stage_pool.submit(self._stage, slot, sd, handle)
+        if not self._prewarmed:
+            self._prewarmed = True
+            staged.add_done_callback(lambda _: self._delete_pool.submit(self._stager.prewarm))
         handle._future = self._persist_pool.submit(self._persist, step, slot, staged, handle)
         self._pending = [h for h in self._pending if not h.done()] + [handle]
         return handle
@@ -377,6 +390,17 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _lower_priority(nice: int) -> None:
+    """Raise the calling thread's niceness (Linux threads are tasks; other threads keep theirs)."""
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except (AttributeError, OSError):
+        pass
 
 
 def _short(exc: BaseException) -> str:

@@ -36,7 +36,7 @@ class Stager:
         if slots < 1:
             raise ValueError(f"staging slots must be >= 1, got {slots}")
         self._buffers: list[dict[str, torch.Tensor]] = [{} for _ in range(slots)]
-        self._free = list(range(slots))
+        self._free = list(reversed(range(slots)))
         self._cond = threading.Condition()
         self.allocated_bytes = 0
 
@@ -45,7 +45,35 @@ class Stager:
         with self._cond:
             while not self._free:
                 self._cond.wait()
-            return self._free.pop(0)
+            # The most recently freed slot: its buffers are warm (allocated, paged in). The other
+            # slot is only allocated when saves really overlap.
+            return self._free.pop()
+
+    def prewarm(self) -> None:
+        """Give every free, still-empty slot buffers shaped like a used slot's, paged in.
+
+        Called in the background after the first save, so that a later save that overlaps a slow
+        persistence (and therefore needs the other slot) does not pay for page faults.
+        """
+        template = next((b for b in self._buffers if b), None)
+        if template is None:
+            return
+        with self._cond:
+            empty = [i for i in self._free if not self._buffers[i]]
+            for i in empty:
+                self._free.remove(i)
+        try:
+            for i in empty:
+                for path, src in template.items():
+                    buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_pinned())
+                    buf.zero_()  # touch every page now
+                    self._buffers[i][path] = buf
+                    self.allocated_bytes += buf.numel() * buf.element_size()
+        finally:
+            with self._cond:
+                # Behind the warm slots in LIFO order: used only when saves overlap.
+                self._free[:0] = empty
+                self._cond.notify_all()
 
     def release(self, slot: int) -> None:
         with self._cond:
