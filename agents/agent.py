@@ -104,6 +104,7 @@ class Agent:
         self.record: NodeRecord | None = None
         self.host = cfg.host or "127.0.0.1"
         self.agent_addr = ""
+        self.endpoints = ""
         self.log = _Prefix(log, {"agent": self})
         self._wake = asyncio.Event()
         self._exited: list[Worker] = []
@@ -165,6 +166,7 @@ class Agent:
         self.pool.adopt_spares(early.take_spawned())
         self.pool.fill_spares()
         endpoints = await self._connect()
+        self.endpoints = endpoints
         from ftrt.agents.service import start_server
 
         self._server, port = await start_server(self, self.host, cfg.agent_port)
@@ -418,7 +420,7 @@ class Agent:
             env = worker_env(
                 rnd, node_id=self.cfg.node_id, local_rank=local_rank, job_id=self.cfg.job_id,
                 master_addr=master_addr, master_port=master_port,
-                max_restarts=self.cfg.max_restarts, agent_addr=self.agent_addr,
+                max_restarts=self.cfg.max_restarts, agent_addr=self.agent_addr, etcd=self.endpoints,
             )
             self.pool.assign(
                 w, local_rank=local_rank, rank=offset + local_rank, round_no=rnd.round, env=env,

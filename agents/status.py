@@ -36,6 +36,8 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
             elif kv.key == keys.state:
                 job = decode(JobState, kv.value)
         log = await recent_events(store, keys, events)
+        ptr_kv, _ = await store.get(keys.ckpt + "latest")
+        latest = json.loads(ptr_kv.value) if ptr_kv else None
     finally:
         await store.close()
     workers = await _agent_workers([n for n in nodes.values() if rnd and rnd.member(n.node_id)])
@@ -53,6 +55,7 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
         "world_size": rnd.world_size if rnd else 0,
         "nodes": {nid: dataclasses.asdict(n) for nid, n in sorted(nodes.items())},
         "workers": workers,
+        "latest_checkpoint": latest,
         "events": log,
     }
 
@@ -103,6 +106,10 @@ def render(st: dict) -> str:
                         f"         rank {w['rank']}: pid {w['pid']} {w['state']}, step {w['step']}, "
                         f"last heartbeat {w['heartbeat_age_s']} s ago"
                     )
+    ck = st.get("latest_checkpoint")
+    if ck:
+        when = time.strftime("%H:%M:%S", time.localtime(ck["time"]))
+        lines.append(f"latest checkpoint: step {ck['step']} at {when} (round {ck['round']}) in {ck['url']}")
     members = {m["node_id"] for m in rnd["members"]} if rnd else set()
     others = [n for nid, n in st["nodes"].items() if nid not in members]
     if others:

@@ -21,6 +21,7 @@ def worker_env(
     master_port: int,
     max_restarts: int,
     agent_addr: str,
+    etcd: str = "",
 ) -> dict[str, str]:
     """Variables for one worker of ``node_id`` in round ``rnd`` (which must include the node)."""
     member = rnd.member(node_id)
@@ -50,4 +51,5 @@ def worker_env(
         "FTRT_NODE_ID": node_id,
         "FTRT_ROUND": str(rnd.round),
         "FTRT_AGENT_ADDR": agent_addr,
+        "FTRT_ETCD": etcd,
     }

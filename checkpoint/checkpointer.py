@@ -47,7 +47,7 @@ from ftrt.checkpoint.storage import (
     step_dir,
     write_bytes,
 )
-from ftrt.errors import CheckpointCorrupt, CheckpointSaveFailed, ConfigError
+from ftrt.errors import CheckpointCorrupt, CheckpointSaveFailed, ConfigError, RoundChanged
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,10 @@ class Checkpointer:
         retries: attempts after the first when persisting fails.
         thread_count: DCP writer threads per rank.
         on_commit: called as ``on_commit(step)`` on rank 0 after a manifest is written (the
-            runtime uses it to move the job's ``latest`` pointer).
+            runtime uses it to move the job's ``latest`` pointer). If it raises
+            :class:`~ftrt.errors.RoundChanged` the manifest is withdrawn and the save fails.
+        pre_commit: called on rank 0 just before the manifest is written; raising
+            :class:`~ftrt.errors.RoundChanged` stops the commit.
         latest_limit: called at restore; returns the highest step allowed (the job's pointer),
             or None for no limit.
         persist_nice: niceness added to the persistence thread (Linux; 0 leaves it alone).
@@ -118,6 +121,7 @@ class Checkpointer:
         retry_backoff: float = 0.5,
         thread_count: int = 2,
         on_commit: Callable[[int], None] | None = None,
+        pre_commit: Callable[[], None] | None = None,
         latest_limit: Callable[[], int | None] | None = None,
         round_no: int = 0,
         persist_nice: int = 10,
@@ -130,6 +134,7 @@ class Checkpointer:
         self.retry_backoff = retry_backoff
         self.thread_count = thread_count
         self.on_commit = on_commit
+        self.pre_commit = pre_commit
         self.latest_limit = latest_limit
         self.round_no = round_no
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -205,7 +210,7 @@ class Checkpointer:
         try:
             sd = staged.result()
             folder = step_dir(step)
-            already = self._broadcast(self._committed_or_unknown(folder) if self.rank == 0 else None)
+            already = self._broadcast(self._committed_or_unknown(folder, step) if self.rank == 0 else None)
             if already:
                 log.info("checkpoint step %d is already committed; not saving it again", step)
                 return
@@ -214,6 +219,9 @@ class Checkpointer:
                 try:
                     self._write(folder, step, sd)
                     error = None
+                    break
+                except RoundChanged as exc:  # the job moved on: retrying cannot help
+                    error = exc
                     break
                 except Exception as exc:  # storage errors come in many types (OSError, botocore, DCP's)
                     error = exc
@@ -243,10 +251,14 @@ class Checkpointer:
         except CheckpointCorrupt:
             return False
 
-    def _committed_or_unknown(self, folder: str) -> bool:
+    def _committed_or_unknown(self, folder: str, step: int) -> bool:
         try:
-            return self._committed(folder)
-        except Exception:  # storage down: the save attempt below reports it
+            if not self._committed(folder):
+                return False
+            # Above the job's pointer a manifest is not trusted (a stale round may have left it).
+            limit = self.latest_limit() if self.latest_limit is not None else None
+            return limit is None or step <= limit
+        except Exception:  # storage or etcd down: the save attempt below reports it
             return False
 
     def _write(self, folder: str, step: int, sd: Any) -> None:
@@ -282,15 +294,25 @@ class Checkpointer:
             for p in parts:
                 files.update(p)
             m = mf.Manifest(step=step, world_size=self.world, files=files, round=self.round_no, time=time.time())
+            manifest_path = self.loc.path(folder, MANIFEST)
             try:
-                write_bytes(self.loc, self.loc.path(folder, MANIFEST), m.to_json())
+                if self.pre_commit is not None:
+                    self.pre_commit()
+                write_bytes(self.loc, manifest_path, m.to_json())
                 if self.on_commit is not None:
-                    self.on_commit(step)
+                    try:
+                        self.on_commit(step)
+                    except RoundChanged:
+                        self.loc.fs.rm(manifest_path)  # withdraw: a stale round's checkpoint must not exist
+                        raise
+            except RoundChanged as exc:
+                outcome = ("round", str(exc))
             except Exception as exc:
-                outcome = f"rank 0 could not commit: {_short(exc)}"
+                outcome = ("error", f"rank 0 could not commit: {_short(exc)}")
         outcome = self._broadcast(outcome)
         if outcome:
-            raise OSError(outcome)
+            kind, message = outcome
+            raise RoundChanged(message) if kind == "round" else OSError(message)
 
     def _retain(self) -> None:
         """Delete all but the newest ``keep`` committed checkpoints, and dead uncommitted folders."""
@@ -324,8 +346,11 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         self.wait_pending()
-        limit = self.latest_limit() if self.latest_limit is not None else None
-        steps = self._broadcast(list_steps(self.loc) if self.rank == 0 else None)
+        found = None
+        if self.rank == 0:
+            limit0 = self.latest_limit() if self.latest_limit is not None else None
+            found = (limit0, list_steps(self.loc))
+        limit, steps = self._broadcast(found)
         rejected: list[str] = []
         for step in reversed(steps):
             folder = step_dir(step)

@@ -66,6 +66,26 @@ class Runtime:
             else:
                 raise
 
+    def checkpointer(self, url: str, keep: int = 3, storage_options: dict | None = None, **kwargs):
+        """A :class:`ftrt.checkpoint.Checkpointer` wired to this job.
+
+        Under ``ftrt launch`` its commits also move the job's ``latest`` pointer in etcd, fenced by
+        this worker's round, and restore ignores checkpoints newer than that pointer. Elsewhere it
+        is a plain Checkpointer. Every rank must call this alike (it creates a process group).
+        """
+        from ftrt.checkpoint import Checkpointer
+
+        etcd = os.environ.get("FTRT_ETCD", "")
+        if self.launched_by_ftrt and etcd:
+            from ftrt.checkpoint.pointer import LatestPointer
+
+            ptr = LatestPointer(etcd, self.job_id, self.round, url)
+            kwargs.setdefault("pre_commit", ptr.check_round)
+            kwargs.setdefault("on_commit", ptr.commit)
+            kwargs.setdefault("latest_limit", ptr.latest)
+            kwargs.setdefault("round_no", self.round)
+        return Checkpointer(url, keep, storage_options, **kwargs)
+
     @property
     def is_main(self) -> bool:
         """True on global rank 0."""

@@ -1,0 +1,105 @@
+"""The job's ``latest`` pointer: moved only by the current round, trusted by restore."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ftrt.agents.keys import JobKeys
+from ftrt.agents.records import Member, RoundRecord, encode
+from ftrt.checkpoint import Checkpointer
+from ftrt.checkpoint.pointer import LatestPointer
+from ftrt.checkpoint.storage import step_dir
+from ftrt.errors import CheckpointSaveFailed
+from ftrt.store.etcd import EtcdStore
+
+
+def set_round(endpoint: str, job: str, n: int) -> None:
+    async def go():
+        store = EtcdStore(endpoint)
+        try:
+            rec = RoundRecord(round=n, members=(Member("a", "i", 1),))
+            await store.put(JobKeys(job).round, encode(rec))
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+
+
+def hooks(ptr: LatestPointer) -> dict:
+    return dict(pre_commit=ptr.check_round, on_commit=ptr.commit, latest_limit=ptr.latest, round_no=ptr.round_no)
+
+
+def test_current_round_moves_the_pointer_and_a_stale_round_cannot(tmp_path, etcd_endpoint, job_id):
+    url = str(tmp_path / "ck")
+    set_round(etcd_endpoint, job_id, 1)
+    ptr1 = LatestPointer(etcd_endpoint, job_id, 1, url)
+    state = {"w": torch.ones(3)}
+    with Checkpointer(url, **hooks(ptr1)) as ck:
+        ck.save(10, state).wait()
+    assert ptr1.latest() == 10
+    set_round(etcd_endpoint, job_id, 2)  # the job moved on; round-1 workers are stale now
+    with Checkpointer(url, **hooks(ptr1)) as ck:
+        h = ck.save(11, state)
+        with pytest.raises(CheckpointSaveFailed, match="round"):
+            h.wait()
+    assert ptr1.latest() == 10
+    assert not (tmp_path / "ck" / step_dir(11) / "manifest.json").exists()
+
+
+def test_restore_ignores_a_manifest_above_the_pointer(tmp_path, etcd_endpoint, job_id):
+    url = str(tmp_path / "ck")
+    set_round(etcd_endpoint, job_id, 3)
+    ptr = LatestPointer(etcd_endpoint, job_id, 3, url)
+    with Checkpointer(url, **hooks(ptr)) as ck:
+        ck.save(5, {"w": torch.full((3,), 5.0)}).wait()
+    # A checkpoint committed outside the job's fence (no pointer move), e.g. by a stale writer.
+    with Checkpointer(url) as ck:
+        ck.save(6, {"w": torch.full((3,), 6.0)}).wait()
+    state = {"w": torch.zeros(3)}
+    with Checkpointer(url, **hooks(ptr)) as ck:
+        assert ck.restore(state) == 5
+    assert torch.equal(state["w"], torch.full((3,), 5.0))
+
+
+SCRIPT = """
+import json, sys, torch, torch.distributed as dist, ftrt
+rt = ftrt.init()
+dist.init_process_group("gloo")
+ck = rt.checkpointer(sys.argv[1])
+w = torch.zeros(4)
+start = ck.restore({"w": w})
+for step in range((start or 0) + 1, 4):
+    w += 1
+    ck.save(step, {"w": w}).wait()
+ck.close()
+dist.destroy_process_group()
+"""
+
+
+def test_checkpointer_from_the_runtime_moves_the_job_pointer(tmp_path, etcd_endpoint, job_id):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    url = str(tmp_path / "ck")
+    res = subprocess.run(
+        [sys.executable, "-m", "ftrt.cli.main", "launch", "--etcd", etcd_endpoint, "--job-id", job_id,
+         "--nproc-per-node", "2", "--warm-import", "torch", str(script), url],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    async def latest():
+        store = EtcdStore(etcd_endpoint)
+        try:
+            kv, _ = await store.get(JobKeys(job_id).ckpt + "latest")
+            return json.loads(kv.value)
+        finally:
+            await store.close()
+
+    ptr = asyncio.run(latest())
+    assert ptr["step"] == 3 and ptr["round"] == 1 and ptr["url"] == url
