@@ -40,6 +40,7 @@ from ftrt.agents.membership import Taken, register, tcp_refused, update
 from ftrt.agents.peers import PeerMonitor, ring_successors
 from ftrt.agents.records import NodeRecord, RoundRecord
 from ftrt.agents.rendezvous import Rendezvous
+from ftrt.agents.replicator import Replicator
 from ftrt.agents.session import Session
 from ftrt.agents.states import AgentState, check_transition
 from ftrt.agents.worker_env import worker_env
@@ -105,6 +106,8 @@ class Agent:
         self.host = cfg.host or "127.0.0.1"
         self.agent_addr = ""
         self.endpoints = ""
+        self.mem_dir = ""
+        self.replicator: Replicator | None = None
         self.log = _Prefix(log, {"agent": self})
         self._wake = asyncio.Event()
         self._exited: list[Worker] = []
@@ -157,11 +160,14 @@ class Agent:
         # everything else the agent does before it can join. The CLI may have started them already.
         self.host = cfg.host or ("127.0.0.1" if cfg.standalone else detect_host(cfg.etcd or ""))
         early = self._early or EarlyStart.for_config(cfg)
-        self._run_dir, self._fence = early.run_dir, early.fence
+        self._run_dir, self._fence, self.mem_dir = early.run_dir, early.fence, early.mem_dir
+        self.replicator = Replicator(cfg.node_id, self.mem_dir)
+        self.replicator.start()
         self.pool = WorkerPool(
             nproc=cfg.nproc_per_node, fence_path=self._fence.path,
             warm=cfg.warm_workers, warm_imports=cfg.warm_imports, base_env=early.base_env,
             log_dir=cfg.log_dir, on_exit=self._on_worker_exit,
+            on_memory=lambda rank, step: self.replicator.notify(rank),
         )
         self.pool.adopt_spares(early.take_spawned())
         self.pool.fill_spares()
@@ -471,6 +477,9 @@ class Agent:
                 if rec is not None:
                     peers[nid] = rec.agent_addr
         self._monitor.watch(peers)
+        successors = ring_successors(rnd.node_ids, self.cfg.node_id, k=1) if rnd is not None else []
+        successor = self.rdzv.view.nodes.get(successors[0]) if successors else None
+        self.replicator.set_peer(successor.agent_addr if successor is not None else None)
 
     # -- shutdown -------------------------------------------------------------------------------
     async def _shutdown(self) -> None:
@@ -494,8 +503,12 @@ class Agent:
             await asyncio.to_thread(self._etcd.stop)
         if self._fence is not None:
             self._fence.close()
+        if self.replicator is not None:
+            await self.replicator.close()
         if self._run_dir:
             shutil.rmtree(self._run_dir, ignore_errors=True)
+        if self.mem_dir:
+            shutil.rmtree(self.mem_dir, ignore_errors=True)
 
 
 def run_agent(cfg: LaunchConfig, early: EarlyStart | None = None) -> int:

@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from ftrt.agents.fence import FenceWriter
+from ftrt.agents.replicator import make_mem_dir
 from ftrt.agents.workers import Spawned, spawn_bootstrap
 
 
@@ -25,16 +26,19 @@ class EarlyStart:
     run_dir: str
     fence: FenceWriter
     base_env: dict[str, str]
+    mem_dir: str
     spawned: list[Spawned] = field(default_factory=list)
 
     @classmethod
     def begin(cls, *, nproc: int, warm: bool, warm_imports: tuple[str, ...], spawn: bool = True) -> "EarlyStart":
         run_dir = tempfile.mkdtemp(prefix="ftrt-agent-")
         fence = FenceWriter(os.path.join(run_dir, "fence"))
+        mem_dir = make_mem_dir()
         base_env = dict(os.environ)
+        base_env["FTRT_MEM_DIR"] = mem_dir
         if nproc > 1 and "OMP_NUM_THREADS" not in base_env:
             base_env["OMP_NUM_THREADS"] = "1"  # as torchrun does for several workers per node
-        early = cls(run_dir, fence, base_env)
+        early = cls(run_dir, fence, base_env, mem_dir)
         if spawn and warm:
             for i in range(nproc):
                 early.spawned.append(spawn_bootstrap(
@@ -63,3 +67,4 @@ class EarlyStart:
             os.close(s.report_fd)
         self.fence.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        shutil.rmtree(self.mem_dir, ignore_errors=True)

@@ -76,6 +76,15 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             await asyncio.sleep(interval)
 
 
+    async def PutReplica(self, request_iterator, context):
+        from ftrt.agents.replicator import receive_replica
+
+        try:
+            return await receive_replica(self.agent.mem_dir, request_iterator)
+        except (OSError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+
+
 async def start_server(agent: "Agent", host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Start the service on ``host:port`` (0: a free port); return the server and its port."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

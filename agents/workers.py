@@ -146,6 +146,7 @@ class WorkerPool:
         log_dir: str | None,
         on_exit: Callable[[Worker], None],
         on_heartbeat: Callable[[Worker], None] | None = None,
+        on_memory: Callable[[int, int], None] | None = None,
         out: IO[bytes] | None = None,
     ) -> None:
         self.nproc = nproc
@@ -156,6 +157,7 @@ class WorkerPool:
         self.log_dir = log_dir
         self.on_exit = on_exit
         self.on_heartbeat = on_heartbeat
+        self.on_memory = on_memory
         self.out = out if out is not None else sys.stdout.buffer
         self.spares: list[Worker] = []
         self.running: list[Worker] = []
@@ -368,6 +370,8 @@ class WorkerPool:
                     worker.last_heartbeat = time.monotonic()
                     if self.on_heartbeat is not None:
                         self.on_heartbeat(worker)
+                elif kind == "mem" and self.on_memory is not None:
+                    self.on_memory(int(msg.get("rank", -1)), int(msg.get("step", -1)))
                 elif kind == "ready":
                     worker.store_port = int(msg.get("store_port", 0))
                     if worker.state == "warming":

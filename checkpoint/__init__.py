@@ -11,6 +11,19 @@
     ck.close()
 """
 
-from ftrt.checkpoint.checkpointer import Checkpointer, SaveHandle
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ftrt.checkpoint.checkpointer import Checkpointer, SaveHandle
 
 __all__ = ["Checkpointer", "SaveHandle"]
+
+
+def __getattr__(name: str):
+    # Lazy: the agent imports torch-free parts of this package (memfiles) and must not pay for
+    # importing torch.
+    if name in __all__:
+        from ftrt.checkpoint import checkpointer
+
+        return getattr(checkpointer, name)
+    raise AttributeError(name)

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ftrt.checkpoint import manifest as mf
+from ftrt.checkpoint import memtier
 from ftrt.checkpoint import state as st
 from ftrt.checkpoint.staging import Stager
 from ftrt.checkpoint.storage import (
@@ -107,6 +108,9 @@ class Checkpointer:
         latest_limit: called at restore; returns the highest step allowed (the job's pointer),
             or None for no limit.
         persist_nice: niceness added to the persistence thread (Linux; 0 leaves it alone).
+        mem_dir: the node's memory-tier directory (under ``ftrt launch``: ``$FTRT_MEM_DIR``, kept
+            by the agent). With it, every save is also a memory checkpoint and restore prefers the
+            newest complete one (see :mod:`ftrt.checkpoint.memtier`).
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class Checkpointer:
         latest_limit: Callable[[], int | None] | None = None,
         round_no: int = 0,
         persist_nice: int = 10,
+        mem_dir: str | None = None,
     ) -> None:
         if keep < 1:
             raise ConfigError(f"keep={keep}: a checkpointer must keep at least 1 checkpoint.")
@@ -159,6 +164,9 @@ class Checkpointer:
         )
         self._pending: list[SaveHandle] = []
         self._prewarmed = False
+        self.mem_dir = mem_dir
+        self._arena = memtier.Arena(mem_dir, self.rank) if mem_dir else None
+        self.last_restore_tier: str | None = None
         self._closed = False
         self.last_committed: int | None = None
         if self.rank == 0 and self.loc.is_local:
@@ -180,30 +188,75 @@ class Checkpointer:
         return box[0]
 
     # -- save -----------------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any]) -> SaveHandle:
-        """Start a save of ``state`` as ``step``; returns at once (see the module docstring)."""
+    def save(self, step: int, state: dict[str, Any], *, persist: bool = True) -> SaveHandle:
+        """Start a save of ``state`` as ``step``; returns at once (see the module docstring).
+
+        ``persist=False`` makes a memory checkpoint only (needs ``mem_dir``): no storage write, the
+        handle completes once the copy is in the arena. Cheap enough to take every step.
+        """
         if self._closed:
             raise ConfigError("This Checkpointer is closed; create a new one to save again.")
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"The checkpoint step must be an int >= 0, got {step!r}.")
+        if not persist and self._arena is None:
+            raise ConfigError("save(persist=False) needs a memory tier (mem_dir, set under ftrt launch).")
         sd = self._stager.snapshot_plain(st.to_dcp(state))
-        slot = self._stager.acquire()
+        avoid = self._arena.current_slot() if self._arena is not None else None
+        slot = self._stager.acquire(avoid=avoid)
         handle = SaveHandle(step)
-        staged = self._stage_pool.submit(self._stage, slot, sd, handle)
+        stage = self._stage if self._arena is None else self._stage_memory
+        staged = self._stage_pool.submit(stage, slot, sd, handle, step)
         if not self._prewarmed:
             self._prewarmed = True
             staged.add_done_callback(lambda _: self._delete_pool.submit(self._stager.prewarm))
-        handle._future = self._persist_pool.submit(self._persist, step, slot, staged, handle)
+        if persist:
+            handle._future = self._persist_pool.submit(self._persist, step, slot, staged, handle)
+        else:
+            handle._future = self._stage_pool.submit(self._memory_only_done, slot, staged)
         self._pending = [h for h in self._pending if not h.done()] + [handle]
         return handle
 
-    def _stage(self, slot: int, sd: Any, handle: SaveHandle) -> Any:
+    def _stage(self, slot: int, sd: Any, handle: SaveHandle, step: int) -> Any:
         t0 = time.perf_counter()
         try:
             return self._stager.stage(slot, sd)
         finally:
             handle.stage_s = time.perf_counter() - t0
             handle._staged.set()
+
+    def _stage_memory(self, slot: int, sd: Any, handle: SaveHandle, step: int) -> Any:
+        """Stage into the arena's slot, then make it the rank's current memory checkpoint."""
+        t0 = time.perf_counter()
+        try:
+            flat, skeleton = memtier.flatten(sd)
+            entries, size = memtier.layout(flat)
+            bufs = self._arena.buffers(slot, entries, size)
+            staged: dict[str, Any] = {}
+            for key, t in flat.items():
+                local = t.to_local() if memtier._is_dtensor(t) else t
+                bufs[key].copy_(local.detach(), non_blocking=local.is_cuda)
+                staged[key] = bufs[key]
+            if any(t.is_cuda for t in flat.values()):
+                import torch
+
+                torch.cuda.synchronize()
+            self._arena.commit(slot=slot, step=step, round_no=self.round_no, world=self.world,
+                               entries=entries, size=size, skeleton=skeleton)
+            _report_memory_save(self.rank, step)
+            for key, t in flat.items():
+                if memtier._is_dtensor(t):
+                    staged[key] = type(t).from_local(staged[key], t.device_mesh, t.placements, run_check=False,
+                                                     shape=t.shape, stride=t.stride())
+            return memtier.unflatten(skeleton, staged)
+        finally:
+            handle.stage_s = time.perf_counter() - t0
+            handle._staged.set()
+
+    def _memory_only_done(self, slot: int, staged: cf.Future) -> None:
+        try:
+            staged.result()
+        finally:
+            self._stager.release(slot)
 
     def _persist(self, step: int, slot: int, staged: cf.Future, handle: SaveHandle) -> None:
         t0 = time.perf_counter()
@@ -351,6 +404,11 @@ class Checkpointer:
             limit0 = self.latest_limit() if self.latest_limit is not None else None
             found = (limit0, list_steps(self.loc))
         limit, steps = self._broadcast(found)
+        if self._arena is not None:
+            allowed = [s for s in steps if limit is None or s <= limit]
+            got = self._restore_memory(state, newest_storage=max(allowed, default=-1))
+            if got is not None:
+                return got
         rejected: list[str] = []
         for step in reversed(steps):
             folder = step_dir(step)
@@ -367,12 +425,62 @@ class Checkpointer:
                      no_dist=not self.distributed)
             st.apply(state, target)
             log.info("restored checkpoint step %d from %s", step, self.loc.url)
+            self.last_restore_tier = "storage"
             return step
         if rejected:
             raise CheckpointCorrupt(
                 f"No valid checkpoint under {self.loc.url}: " + "; ".join(rejected) + "."
             )
         return None
+
+    def _restore_memory(self, state: dict[str, Any], newest_storage: int) -> int | None:
+        """Restore from the newest complete memory checkpoint held by this job's nodes, if it is at
+        least as new as storage's. Collective; every rank returns the same answer."""
+        import torch
+
+        mine = memtier.scan(self.mem_dir)
+        pick = memtier.choose(self._all_gather([{k: v for k, v in m.items() if k != "file"} for m in mine]))
+        if pick is None or pick[0] < newest_storage:
+            return None
+        step, rnd, world, holders = pick
+        indexes = self._all_gather({m["rank"]: m for m in mine if (m["step"], m["round"], m["world"]) == (step, rnd, world)})
+        old = {r: indexes[h][r] for r, h in holders.items()}
+        target = st.to_dcp(state)
+        t_flat, _ = memtier.flatten(target)
+        local = {r: m for r, m in indexes[self.rank].items()}
+        arenas = {r: torch.from_file(m["file"], shared=False, size=m["size"], dtype=torch.uint8) for r, m in local.items()}
+        try:
+            need = memtier.needed_ranks(t_flat, old, set(local))
+            error = None
+        except memtier.Unsupported as exc:
+            need, error = set(), str(exc)
+        needs = self._all_gather((sorted(need), error))
+        errors = [e for _, e in needs if e]
+        if errors:
+            log.warning("memory tier cannot restore this state (%s); using storage", errors[0])
+            return None
+        for r in range(world):
+            holder = holders[r]
+            if not any(r in n and i != holder for i, (n, _) in enumerate(needs)):
+                continue
+            buf = arenas[r] if self.rank == holder else torch.empty(old[r]["size"], dtype=torch.uint8)
+            dist.broadcast(buf, src=dist.get_global_rank(self._pg, holder), group=self._pg)
+            if r in needs[self.rank][0]:
+                arenas[r] = buf
+        try:
+            memtier.fill(t_flat, old, arenas)
+            error = None
+        except memtier.Unsupported as exc:
+            error = str(exc)
+        errors = [e for e in self._all_gather(error) if e]
+        if errors:
+            log.warning("memory tier could not restore (%s); using storage", errors[0])
+            return None
+        loaded = memtier.unflatten(memtier.skeleton_of(old[0]), t_flat)
+        st.apply(state, loaded)
+        log.info("restored checkpoint step %d from memory (saved by %d ranks in round %d)", step, world, rnd)
+        self.last_restore_tier = "memory"
+        return step
 
     def _verify(self, folder: str) -> str | None:
         """None if the checkpoint verifies on every rank, else the first reason found."""
@@ -415,6 +523,13 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _report_memory_save(rank: int, step: int) -> None:
+    """Tell the node's agent a memory checkpoint is complete (it replicates it to a peer)."""
+    from ftrt.runtime import init
+
+    init().report({"t": "mem", "rank": rank, "step": step})
 
 
 def _lower_priority(nice: int) -> None:

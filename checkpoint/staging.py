@@ -40,14 +40,21 @@ class Stager:
         self._cond = threading.Condition()
         self.allocated_bytes = 0
 
-    def acquire(self) -> int:
-        """A free slot; blocks while every slot holds a save not yet persisted."""
+    def acquire(self, avoid: int | None = None) -> int:
+        """A free slot other than ``avoid``; blocks while there is none.
+
+        Slots are busy while their save is being persisted. The most recently freed slot comes
+        first: its buffers are warm (allocated, paged in), the other one is only used when saves
+        overlap. ``avoid`` is the memory tier's current checkpoint, which must not be overwritten.
+        """
         with self._cond:
-            while not self._free:
+            while True:
+                usable = [s for s in self._free if s != avoid] if len(self._buffers) > 1 else self._free
+                if usable:
+                    slot = usable[-1]
+                    self._free.remove(slot)
+                    return slot
                 self._cond.wait()
-            # The most recently freed slot: its buffers are warm (allocated, paged in). The other
-            # slot is only allocated when saves really overlap.
-            return self._free.pop()
 
     def prewarm(self) -> None:
         """Give every free, still-empty slot buffers shaped like a used slot's, paged in.

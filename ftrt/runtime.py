@@ -53,9 +53,13 @@ class Runtime:
         is treated as hung: killed and the round restarted.
         """
         self.last_step = int(step)
+        self.report({"t": "hb", "step": self.last_step, "time": time.time()})
+
+    def report(self, message: dict) -> None:
+        """Send one JSON message to the agent (non-blocking; dropped if the agent is behind)."""
         if self._report_fd < 0:
             return
-        line = json.dumps({"t": "hb", "step": self.last_step, "time": time.time()}) + "\n"
+        line = json.dumps(message, separators=(",", ":")) + "\n"
         try:
             os.write(self._report_fd, line.encode())
         except BlockingIOError:
@@ -84,6 +88,8 @@ class Runtime:
             kwargs.setdefault("on_commit", ptr.commit)
             kwargs.setdefault("latest_limit", ptr.latest)
             kwargs.setdefault("round_no", self.round)
+        if self.launched_by_ftrt and os.environ.get("FTRT_MEM_DIR"):
+            kwargs.setdefault("mem_dir", os.environ["FTRT_MEM_DIR"])
         return Checkpointer(url, keep, storage_options, **kwargs)
 
     @property

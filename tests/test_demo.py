@@ -20,7 +20,10 @@ def test_demo_loses_a_node_recovers_rejoins_and_loses_no_step(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["recovered"] is True and summary["recovery_s"] > 0
-    assert summary["world_sizes"][:2] == [3, 2]
+    worlds = summary["world_sizes"]
+    # The first round may form with 2 nodes when the third agent starts late (MIN is 2); what must
+    # be there is the shrink from 3 to 2 caused by the kill.
+    assert any(worlds[i:i + 2] == [3, 2] for i in range(len(worlds) - 1)), worlds
     assert summary["steps_missing"] == [] and summary["final_step"] == 999
     assert set(summary["exit_codes"].values()) == {0}
     assert "ftrt demo summary" in res.stdout

@@ -83,3 +83,23 @@ class LivenessBeat(_message.Message):
     round: int
     time: float
     def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., time: _Optional[float] = ...) -> None: ...
+
+class ReplicaChunk(_message.Message):
+    __slots__ = ("source_node", "rank", "step", "index_json", "data")
+    SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_JSON_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    source_node: str
+    rank: int
+    step: int
+    index_json: str
+    data: bytes
+    def __init__(self, source_node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., index_json: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaAck(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,11 @@ class AgentServiceStub:
                 request_serializer=ftrt_dot_v1_dot_agent__pb2.LivenessRequest.SerializeToString,
                 response_deserializer=ftrt_dot_v1_dot_agent__pb2.LivenessBeat.FromString,
                 _registered_method=True)
+        self.PutReplica = channel.stream_unary(
+                '/ftrt.v1.AgentService/PutReplica',
+                request_serializer=ftrt_dot_v1_dot_agent__pb2.ReplicaChunk.SerializeToString,
+                response_deserializer=ftrt_dot_v1_dot_agent__pb2.ReplicaAck.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -72,6 +77,13 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutReplica(self, request_iterator, context):
+        """Keep a copy of a peer's memory checkpoint, so it survives the loss of that peer's node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +101,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Liveness,
                     request_deserializer=ftrt_dot_v1_dot_agent__pb2.LivenessRequest.FromString,
                     response_serializer=ftrt_dot_v1_dot_agent__pb2.LivenessBeat.SerializeToString,
+            ),
+            'PutReplica': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutReplica,
+                    request_deserializer=ftrt_dot_v1_dot_agent__pb2.ReplicaChunk.FromString,
+                    response_serializer=ftrt_dot_v1_dot_agent__pb2.ReplicaAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +189,33 @@ class AgentService:
             '/ftrt.v1.AgentService/Liveness',
             ftrt_dot_v1_dot_agent__pb2.LivenessRequest.SerializeToString,
             ftrt_dot_v1_dot_agent__pb2.LivenessBeat.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutReplica(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ftrt.v1.AgentService/PutReplica',
+            ftrt_dot_v1_dot_agent__pb2.ReplicaChunk.SerializeToString,
+            ftrt_dot_v1_dot_agent__pb2.ReplicaAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,171 @@
+"""Peer replication of memory checkpoints: each node's newest arenas copied to another node.
+
+When a worker reports a complete memory checkpoint (``{"t": "mem", "rank": r, "step": s}``), the
+agent streams that rank's arena (index first, then the bytes in 1 MiB chunks) to its ring successor
+in the current round with :meth:`AgentService.PutReplica`. Replication is latest-wins per rank: a
+checkpoint superseded before its turn is skipped. The receiver writes into the alternate slot of
+``replicas/<node>/rank-<r>/`` and publishes the index only when every byte arrived, so a torn
+transfer never replaces a good replica. After the loss of a node, the survivors' workers find
+that node's arenas among their own node's replicas (:func:`ftrt.checkpoint.memtier.scan`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import grpc
+import grpc.aio
+
+from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
+from ftrt.v1 import agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+
+
+def make_mem_dir() -> str:
+    """The node's memory-tier directory on tmpfs (``/dev/shm``) when there is one.
+
+    The name carries the agent's pid, and leftovers of agents that died on this machine (a node
+    killed with SIGKILL cannot clean up) are removed here.
+    """
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    root = base or os.environ.get("TMPDIR", "/tmp")
+    for stale in glob.glob(os.path.join(root, "ftrt-mem-*")):
+        try:
+            pid = int(Path(stale).name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(stale, ignore_errors=True)
+    path = os.path.join(root, f"ftrt-mem-{os.getpid()}-{time.monotonic_ns() % 100000}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+class Replicator:
+    """Sends this node's newest memory checkpoints to one peer agent."""
+
+    def __init__(self, node_id: str, mem_dir: str) -> None:
+        self.node_id = node_id
+        self.mem_dir = mem_dir
+        self.peer: str | None = None
+        self._dirty: set[int] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.sent_bytes = 0
+        self.last_sent: dict[int, int] = {}
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="replicator")
+
+    def set_peer(self, addr: str | None) -> None:
+        if addr != self.peer:
+            self.peer = addr
+            if addr:  # a new peer has none of our checkpoints yet
+                self._dirty.update(int(p.name.split("-")[1]) for p in (Path(self.mem_dir) / "own").glob("rank-*"))
+                self.last_sent.clear()
+                self._wake.set()
+
+    def notify(self, rank: int) -> None:
+        self._dirty.add(rank)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._dirty and self.peer:
+                rank = min(self._dirty)
+                self._dirty.discard(rank)
+                try:
+                    await self._send(rank, self.peer)
+                except (grpc.aio.AioRpcError, OSError, ValueError) as exc:
+                    log.warning("replicating rank %d's memory checkpoint to %s failed: %s", rank, self.peer,
+                                exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc)
+
+    async def _send(self, rank: int, peer: str) -> None:
+        directory = Path(self.mem_dir) / "own" / f"rank-{rank}"
+        index = json.loads((directory / "current.json").read_text())
+        if self.last_sent.get(rank) == index["step"]:
+            return
+        path = directory / f"slot-{index['slot']}.bin"
+        t0 = time.monotonic()
+
+        async def chunks():
+            yield agent_pb2.ReplicaChunk(source_node=self.node_id, rank=rank, step=index["step"],
+                                         index_json=json.dumps(index))
+            with open(path, "rb") as f:
+                sent = 0
+                while sent < index["size"]:
+                    data = await asyncio.to_thread(f.read, min(CHUNK, index["size"] - sent))
+                    if not data:
+                        break
+                    sent += len(data)
+                    yield agent_pb2.ReplicaChunk(data=data)
+            # The slot must not have been reused while we read it, or the copy is torn.
+            if current_slot(directory) != index["slot"] and _previous_slot(directory) != index["slot"]:
+                raise ValueError(f"rank {rank}'s arena slot was reused during replication")
+
+        async with grpc.aio.insecure_channel(peer) as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            ack = await stub.PutReplica(chunks(), timeout=300)
+        self.sent_bytes += ack.bytes
+        self.last_sent[rank] = index["step"]
+        log.debug("replicated rank %d step %d (%d bytes) to %s in %.2f s", rank, index["step"], ack.bytes,
+                  peer, time.monotonic() - t0)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _previous_slot(directory: Path) -> int | None:
+    try:
+        return json.loads((directory / "previous.json").read_text())["slot"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+async def receive_replica(mem_dir: str, request_iterator) -> agent_pb2.ReplicaAck:
+    """Store one replica stream (the server side of ``PutReplica``)."""
+    header = None
+    f = None
+    received = 0
+    try:
+        async for chunk in request_iterator:
+            if header is None:
+                header = chunk
+                index = json.loads(chunk.index_json)
+                directory = Path(mem_dir) / "replicas" / chunk.source_node / f"rank-{chunk.rank}"
+                directory.mkdir(parents=True, exist_ok=True)
+                now = current_slot(directory)
+                slot = 0 if now is None else 1 - now
+                invalidate_slot(directory, slot)
+                f = open(directory / f"slot-{slot}.bin", "wb")
+            if chunk.data:
+                await asyncio.to_thread(f.write, chunk.data)
+                received += len(chunk.data)
+        if header is None:
+            return agent_pb2.ReplicaAck(bytes=0)
+        f.close()
+        f = None
+        if received != index["size"]:
+            raise ValueError(f"replica of rank {header.rank} step {header.step} ended after {received} "
+                             f"of {index['size']} bytes")
+        index.pop("file", None)
+        index["slot"] = slot
+        publish_index(directory, index)
+        return agent_pb2.ReplicaAck(bytes=received)
+    finally:
+        if f is not None:
+            f.close()

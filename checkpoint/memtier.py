@@ -1,0 +1,253 @@
+"""The memory tiers: each rank's staged copy in a shared-memory arena its node's agent keeps.
+
+Layout under the node's memory directory (``$FTRT_MEM_DIR``, created by the agent on tmpfs and
+removed when it exits)::
+
+    own/rank-<r>/slot-<k>.bin        arenas: every tensor of rank r's state, 64-byte aligned
+    own/rank-<r>/current.json        the newest complete memory checkpoint of rank r (index)
+    own/rank-<r>/previous.json       the one before it, valid until its slot is reused
+    replicas/<node>/rank-<r>/...     the same, received from a peer node's agent
+
+Staging writes straight into an arena slot (the staging buffers *are* the arena), then
+``current.json`` is replaced atomically: a worker that dies mid-copy leaves the previous complete
+checkpoint in place. Two slots alternate, so the newest complete one is never overwritten.
+
+An index records, per tensor, its place in the arena and, for DTensors, the global shape and the
+offset of this rank's chunk. Restore therefore needs no DCP: for every tensor of the new world it
+copies the overlapping regions of the old chunks (any world size, for ``Shard``/``Replicate``
+placements), taking arenas from the local node where present and moving the others between ranks
+with a broadcast on the checkpoint's process group.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import pickle
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
+from ftrt.checkpoint.staging import _is_dtensor
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64
+
+
+class Unsupported(Exception):
+    """A tensor layout the memory tier cannot reshard (the storage tier is used instead)."""
+
+
+@dataclass
+class Entry:
+    key: str
+    dtype: str
+    offset: int
+    nbytes: int
+    local_shape: list[int]
+    global_shape: list[int]
+    global_offset: list[int]
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _region(t: Any) -> tuple[list[int], list[int], list[int]]:
+    """(local shape, global shape, global offset of the local chunk)."""
+    if _is_dtensor(t):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return list(local_shape), list(t.shape), list(offset)
+    return list(t.shape), list(t.shape), [0] * t.dim()
+
+
+def layout(flat: dict[str, Any]) -> tuple[list[Entry], int]:
+    """Place every tensor of a flattened state in an arena; return entries and the arena size."""
+    entries, pos = [], 0
+    for key, t in flat.items():
+        local = t.to_local() if _is_dtensor(t) else t
+        local_shape, global_shape, offset = _region(t)
+        nbytes = local.numel() * local.element_size()
+        entries.append(Entry(key, str(local.dtype), pos, nbytes, local_shape, global_shape, offset))
+        pos += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return entries, max(pos, ALIGN)
+
+
+def flatten(sd: Any, prefix: str = "") -> tuple[dict[str, Any], Any]:
+    """Split a state dict into its tensors (by path) and a skeleton with markers in their place."""
+    tensors: dict[str, Any] = {}
+
+    def walk(x: Any, path: str) -> Any:
+        if isinstance(x, dict):
+            return {k: walk(v, f"{path}/{k}") for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v, f"{path}/{i}") for i, v in enumerate(x))
+        if isinstance(x, torch.Tensor):
+            tensors[path] = x
+            return {"__ftrt_tensor__": path}
+        return x
+
+    return tensors, walk(sd, prefix)
+
+
+class Arena:
+    """One rank's double-buffered arena in a node's memory directory."""
+
+    def __init__(self, mem_dir: str, rank: int) -> None:
+        self.dir = Path(mem_dir) / "own" / f"rank-{rank}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self._maps: dict[int, torch.Tensor] = {}
+        self._sizes: dict[int, int] = {}
+
+    def current_slot(self) -> int | None:
+        return current_slot(self.dir)
+
+    def buffers(self, slot: int, entries: list[Entry], size: int) -> dict[str, torch.Tensor]:
+        """Tensors viewing slot ``slot`` of the arena, laid out as ``entries``.
+
+        The checkpoint that slot held (``previous.json``) stops existing before it is overwritten.
+        """
+        invalidate_slot(self.dir, slot)
+        if self._sizes.get(slot) != size:
+            path = self.dir / f"slot-{slot}.bin"
+            with open(path, "wb") as f:
+                f.truncate(size)
+            self._maps[slot] = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+            self._sizes[slot] = size
+        raw = self._maps[slot]
+        return {
+            e.key: raw[e.offset:e.offset + e.nbytes].view(_dtype(e.dtype)).view(e.local_shape)
+            for e in entries
+        }
+
+    def commit(self, *, slot: int, step: int, round_no: int, world: int, entries: list[Entry],
+               size: int, skeleton: Any) -> dict:
+        """Make ``slot`` the rank's current memory checkpoint (atomic rename)."""
+        index = {
+            "step": step, "round": round_no, "rank": self.rank, "world": world, "slot": slot,
+            "size": size, "entries": [asdict(e) for e in entries],
+            "skeleton": base64.b64encode(pickle.dumps(skeleton)).decode(),
+        }
+        publish_index(self.dir, index)
+        return index
+
+
+def scan(mem_dir: str) -> list[dict]:
+    """Every complete memory checkpoint in a node's directory (own and replicas), with its file."""
+    out = []
+    for current in [*Path(mem_dir).glob("**/current.json"), *Path(mem_dir).glob("**/previous.json")]:
+        try:
+            index = json.loads(current.read_text())
+        except (OSError, ValueError):
+            continue
+        index["file"] = str(current.parent / f"slot-{index['slot']}.bin")
+        if Path(index["file"]).exists():
+            out.append(index)
+    return out
+
+
+def choose(per_rank: list[list[dict]]) -> tuple[int, int, int, dict[int, int]] | None:
+    """Pick the newest (step, round) whose every old rank is held by some new rank.
+
+    ``per_rank[r]`` lists the checkpoints new rank r's node holds. Returns (step, round, old world,
+    {old rank: new rank holding it, preferring the old rank's own successor... the lowest}).
+    """
+    holders: dict[tuple[int, int, int], dict[int, int]] = {}
+    for new_rank, items in enumerate(per_rank):
+        for it in items:
+            k = (it["step"], it["round"], it["world"])
+            holders.setdefault(k, {}).setdefault(it["rank"], new_rank)
+    complete = [k for k, h in holders.items() if len(h) == k[2] and set(h) == set(range(k[2]))]
+    if not complete:
+        return None
+    step, rnd, world = max(complete)
+    return step, rnd, world, holders[(step, rnd, world)]
+
+
+def _overlap(a_off, a_shape, b_off, b_shape):
+    """Slices (into a, into b) of the overlap of two boxes, or None."""
+    sa, sb = [], []
+    for ao, al, bo, bl in zip(a_off, a_shape, b_off, b_shape):
+        lo, hi = max(ao, bo), min(ao + al, bo + bl)
+        if lo >= hi:
+            return None
+        sa.append(slice(lo - ao, hi - ao))
+        sb.append(slice(lo - bo, hi - bo))
+    return tuple(sa), tuple(sb)
+
+
+def fill(target_flat: dict[str, Any], old: dict[int, dict], arenas: dict[int, torch.Tensor]) -> None:
+    """Copy into every target tensor (in place) the overlapping parts of the old ranks' chunks."""
+    by_rank = {r: {e["key"]: e for e in idx["entries"]} for r, idx in old.items()}
+    for key, t in target_flat.items():
+        local = t.to_local() if _is_dtensor(t) else t
+        if _is_dtensor(t):
+            for p in t.placements:
+                if type(p).__name__ not in ("Shard", "Replicate"):
+                    raise Unsupported(f"{key}: placement {p} is not Shard or Replicate")
+        local_shape, global_shape, offset = _region(t)
+        covered = False
+        for r in sorted(old, key=lambda r: (r not in arenas, r)):
+            e = by_rank[r].get(key)
+            if e is None:
+                raise Unsupported(f"{key} is not in the memory checkpoint of old rank {r}")
+            if e["global_shape"] != global_shape or e["dtype"] != str(local.dtype):
+                raise Unsupported(f"{key}: saved as {e['dtype']}{e['global_shape']}, now {local.dtype}{global_shape}")
+            if r not in arenas:
+                continue
+            ov = _overlap(e["global_offset"], e["local_shape"], offset, local_shape)
+            if ov is None:
+                continue
+            src = arenas[r][e["offset"]:e["offset"] + e["nbytes"]].view(_dtype(e["dtype"])).view(e["local_shape"])
+            local[ov[1]].copy_(src[ov[0]])
+            covered = True
+            if not _is_dtensor(t) or e["local_shape"] == e["global_shape"]:
+                break  # a full (replicated) copy: one old rank is enough
+        if not covered and local.numel() > 0:
+            raise Unsupported(f"{key}: no old chunk covers this rank's part")
+
+
+def needed_ranks(target_flat: dict[str, Any], old: dict[int, dict], local: set[int]) -> set[int]:
+    """Old ranks, not held locally, whose chunks overlap this rank's part of any tensor."""
+    need: set[int] = set()
+    by_rank = {r: {e["key"]: e for e in idx["entries"]} for r, idx in old.items()}
+    for key, t in target_flat.items():
+        local_shape, _, offset = _region(t)
+        replicated = not _is_dtensor(t)
+        for r in sorted(old):
+            e = by_rank[r].get(key)
+            if e is None:
+                continue
+            if replicated or e["local_shape"] == e["global_shape"]:
+                if not local & set(old):
+                    need.add(min(old))  # any full copy will do
+                break
+            if _overlap(e["global_offset"], e["local_shape"], offset, local_shape) is not None:
+                need.add(r)
+    return need - local
+
+
+def skeleton_of(index: dict) -> Any:
+    return pickle.loads(base64.b64decode(index["skeleton"]))
+
+
+def unflatten(skeleton: Any, values: dict[str, Any]) -> Any:
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {"__ftrt_tensor__"}:
+            return values[skeleton["__ftrt_tensor__"]]
+        return {k: unflatten(v, values) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(unflatten(v, values) for v in skeleton)
+    return skeleton
+
+
+__all__ = ["Arena", "Entry", "Unsupported", "choose", "fill", "flatten", "layout", "needed_ranks", "scan"]
