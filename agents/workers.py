@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 IDLE_WARM_GRACE = 2.0
 """Seconds a replacement spare warms at SCHED_IDLE before it is moved to normal priority."""
 
+REFILL_PROGRESS_WAIT = 10.0
+"""Longest wait for the running workers' first heartbeat before used spares are replaced."""
+
 DEFAULT_WARM_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
 """What spares import while they wait. DDP and every torch.optim optimizer import torch._dynamo
 on first use (2-3 s here), so a spare that skipped it would pay it after its assignment."""
@@ -200,7 +203,8 @@ class WorkerPool:
             self.spares.append(self._spawn(hosts_store=need_store, idle=idle))
 
     def refill_later(self, delay: float) -> None:
-        """Replace used spares after ``delay`` seconds (or now if 0), at idle priority."""
+        """Replace used spares at idle priority, ``delay`` seconds after the round started and once
+        every running worker has heartbeaten (at most :data:`REFILL_PROGRESS_WAIT` more)."""
         if not self.warm or self._closed:
             return
         if self._refill is not None and not self._refill.done():
@@ -208,6 +212,13 @@ class WorkerPool:
 
         async def run() -> None:
             await asyncio.sleep(delay)
+            # The new round's workers restore and rebuild first: warming spares beside them on a
+            # small machine would slow exactly the recovery they exist to speed up.
+            deadline = time.monotonic() + REFILL_PROGRESS_WAIT
+            while time.monotonic() < deadline and any(
+                w.exit_code is None and (w.last_heartbeat or 0.0) < w.assigned_at for w in self.running
+            ):
+                await asyncio.sleep(0.1)
             t0 = time.monotonic()
             if len(self.spares) >= self.nproc:
                 return

@@ -468,7 +468,7 @@ class Checkpointer:
             if r in needs[self.rank][0]:
                 arenas[r] = buf
         try:
-            memtier.fill(t_flat, old, arenas)
+            memtier.fill(t_flat, old, arenas, files={r: m["file"] for r, m in local.items()})
             error = None
         except memtier.Unsupported as exc:
             error = str(exc)

@@ -2,39 +2,18 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import time
-import urllib.request
 import uuid
 
 import pytest
 
 from ftrt.chaos.proxy import TcpProxy
-from ftrt.store.etcd_server import free_port
+from ftrt.chaos.s3server import MotoS3
 
 
 @pytest.fixture(scope="session")
 def moto_server():
-    exe = shutil.which("moto_server")
-    if exe is None:
-        pytest.fail("moto_server is not installed: pip install -e '.[test]' brings moto[server].")
-    port = free_port()
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=0.5)
-            break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("moto_server did not start within 30 s")
-    yield port
-    proc.kill()
-    proc.wait()
+    with MotoS3() as server:
+        yield server.port
 
 
 @pytest.fixture

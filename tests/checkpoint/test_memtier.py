@@ -1,0 +1,117 @@
+"""Pure logic of the memory tier: which checkpoint to use, who needs what, resharding copies.
+
+Arenas here are real files written through :class:`ftrt.checkpoint.memtier.Arena` (what workers
+do), laid out by hand as two old ranks would have saved them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftrt.checkpoint import memtier
+from ftrt.checkpoint.memtier import Arena, Entry, Unsupported
+
+
+def save_rank(mem_dir, rank: int, world: int, chunks: dict[str, tuple[torch.Tensor, list[int], list[int]]],
+              step: int = 5) -> None:
+    """Write one old rank's arena: ``chunks[key] = (local tensor, global shape, global offset)``."""
+    entries, pos = [], 0
+    for key, (t, gshape, goff) in chunks.items():
+        nbytes = t.numel() * t.element_size()
+        entries.append(Entry(key, str(t.dtype), pos, nbytes, list(t.shape), gshape, goff))
+        pos += (nbytes + memtier.ALIGN - 1) // memtier.ALIGN * memtier.ALIGN
+    arena = Arena(str(mem_dir), rank)
+    bufs = arena.buffers(0, entries, pos)
+    for key, (t, _, _) in chunks.items():
+        bufs[key].copy_(t)
+    arena.commit(slot=0, step=step, round_no=1, world=world, entries=entries, size=pos, skeleton={})
+
+
+def load(mem_dir, with_files: bool = True):
+    found = {m["rank"]: m for m in memtier.scan(str(mem_dir))}
+    arenas = {r: torch.from_file(m["file"], shared=False, size=m["size"], dtype=torch.uint8) for r, m in found.items()}
+    files = {r: m["file"] for r, m in found.items()} if with_files else None
+    return found, arenas, files
+
+
+WHOLE = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+
+
+def row_shards(mem_dir):
+    save_rank(mem_dir, 0, 2, {"w": (WHOLE[:3].clone(), [6, 4], [0, 0])})
+    save_rank(mem_dir, 1, 2, {"w": (WHOLE[3:].clone(), [6, 4], [3, 0])})
+
+
+@pytest.mark.parametrize("with_files", [True, False], ids=["pread", "mapping"])
+def test_row_shards_of_two_ranks_fill_one_whole_tensor(tmp_path, with_files):
+    row_shards(tmp_path)
+    old, arenas, files = load(tmp_path, with_files)
+    target = torch.full((6, 4), -1.0)
+    memtier.fill({"w": target}, old, arenas, files)
+    assert torch.equal(target, WHOLE)
+
+
+def test_a_non_contiguous_target_is_copied_not_read(tmp_path):
+    row_shards(tmp_path)
+    old, arenas, files = load(tmp_path)
+    target = torch.full((4, 6), -1.0).t()  # shape (6, 4), not contiguous
+    memtier.fill({"w": target}, old, arenas, files)
+    assert torch.equal(target, WHOLE)
+
+
+def test_large_tensors_are_cut_into_pieces_that_land_at_the_right_offsets(tmp_path, monkeypatch):
+    monkeypatch.setattr(memtier, "COPY_PIECE", 256)
+    big = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+    save_rank(tmp_path, 0, 2, {"a": (torch.ones(3), [3], [0]), "w": (big[:32].clone(), [64, 16], [0, 0])})
+    save_rank(tmp_path, 1, 2, {"a": (torch.ones(3), [3], [0]), "w": (big[32:].clone(), [64, 16], [32, 0])})
+    old, arenas, files = load(tmp_path)
+    target = {"a": torch.zeros(3), "w": torch.zeros(64, 16)}
+    memtier.fill(target, old, arenas, files)
+    assert torch.equal(target["w"], big) and torch.equal(target["a"], torch.ones(3))
+
+
+def test_a_replicated_tensor_needs_only_one_old_copy(tmp_path):
+    save_rank(tmp_path, 0, 2, {"w": (WHOLE.clone(), [6, 4], [0, 0])})
+    save_rank(tmp_path, 1, 2, {"w": (WHOLE.clone(), [6, 4], [0, 0])})
+    old, arenas, files = load(tmp_path)
+    del arenas[0]  # only old rank 1's arena is here
+    target = torch.zeros(6, 4)
+    memtier.fill({"w": target}, old, arenas, files)
+    assert torch.equal(target, WHOLE)
+    assert memtier.needed_ranks({"w": target}, old, local={1}) == set()
+
+
+def test_needed_ranks_names_the_shards_held_elsewhere(tmp_path):
+    row_shards(tmp_path)
+    old, _, _ = load(tmp_path)
+    target = {"w": torch.zeros(6, 4)}
+    assert memtier.needed_ranks(target, old, local={0}) == {1}
+    assert memtier.needed_ranks(target, old, local={0, 1}) == set()
+
+
+def test_a_changed_shape_or_dtype_is_unsupported_not_silently_wrong(tmp_path):
+    row_shards(tmp_path)
+    old, arenas, files = load(tmp_path)
+    with pytest.raises(Unsupported, match="w: saved as torch.float32"):
+        memtier.fill({"w": torch.zeros(7, 4)}, old, arenas, files)
+    with pytest.raises(Unsupported, match="w: saved as torch.float32"):
+        memtier.fill({"w": torch.zeros(6, 4, dtype=torch.float64)}, old, arenas, files)
+    with pytest.raises(Unsupported, match="not in the memory checkpoint"):
+        memtier.fill({"v": torch.zeros(6, 4)}, old, arenas, files)
+
+
+def index(step: int, rank: int, world: int, rnd: int = 1) -> dict:
+    return {"step": step, "round": rnd, "rank": rank, "world": world}
+
+
+def test_choose_takes_the_newest_checkpoint_every_old_rank_of_which_is_held():
+    per_new_rank = [
+        [index(7, 0, 2), index(6, 0, 2), index(6, 1, 2)],  # new rank 0 holds step 7 of rank 0 only
+        [index(5, 0, 2), index(5, 1, 2)],
+    ]
+    assert memtier.choose(per_new_rank) == (6, 1, 2, {0: 0, 1: 0})
+    per_new_rank[1].append(index(7, 1, 2))
+    assert memtier.choose(per_new_rank) == (7, 1, 2, {0: 0, 1: 1})
+    assert memtier.choose([[index(7, 0, 3)], [index(7, 1, 3)]]) is None  # old rank 2 is lost
+    assert memtier.choose([[], []]) is None
