@@ -172,3 +172,14 @@ class StepLog:
             if x["world"] == world:
                 first.setdefault(x["rank"], x["time"])
         return first if len(first) >= ranks else None
+
+
+def worker_pids(etcd: str, job_id: str) -> dict[int, int]:
+    """Global rank -> pid of every running worker of the job, as its agents report them."""
+    import asyncio
+
+    from ftrt.agents.status import collect_status
+
+    st = asyncio.run(collect_status(etcd, job_id, events=0))
+    return {w["rank"]: w["pid"] for ws in st["workers"].values() for w in ws
+            if w.get("state") == "running" and w.get("rank", -1) >= 0}

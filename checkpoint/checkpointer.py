@@ -173,6 +173,11 @@ class Checkpointer:
             self.loc.fs.makedirs(self.loc.root, exist_ok=True)
 
     # -- collectives on our own group ------------------------------------------------------------
+    @property
+    def has_memory_tier(self) -> bool:
+        """True when saves also go to the node's memory tier (``save(..., persist=False)`` works)."""
+        return self._arena is not None
+
     def _all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]

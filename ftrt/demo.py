@@ -1,10 +1,11 @@
-"""``ftrt demo``: an elastic job on three local nodes that loses one and keeps going.
+"""``ftrt demo``: GRPO on three local nodes that loses one, keeps training, and takes it back.
 
-It starts an embedded etcd and three agents (``ftrt launch``, one per simulated node) running a
-small gloo DDP job, SIGKILLs one node (agent and workers) partway, shows the survivors continuing
-at world size 2, starts the node again to show it rejoining, and prints a summary. Everything it
-did is in ``--out``: ``metrics.jsonl`` (one line per rank and step), ``summary.json`` and the agents'
-logs.
+It starts an embedded etcd and three agents (``ftrt launch``, one per simulated node, one worker
+each) training the built-in GRPO (``-m ftrt.grpo``) with a checkpoint in memory every step and
+on disk every few, SIGKILLs one node (agent and worker) partway, shows the survivors restoring
+from memory and continuing at world size 2, starts the node again to show it rejoining, and
+prints a summary. Everything is in ``--out``: ``metrics.jsonl`` (rank 0's line per step),
+``summary.json``, ``timeline.png`` and the agents' logs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ftrt.chaos.local import LocalNode, StepLog, wait_until
+from ftrt.chaos.local import LocalNode, wait_until
 from ftrt.errors import FtrtError
 from ftrt.store.etcd_server import EtcdServer
 
@@ -24,63 +25,90 @@ def _say(msg: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _last(log: StepLog) -> dict | None:
-    lines = [x for x in log.lines() if x["rank"] == 0]
-    return lines[-1] if lines else None
+def _lines(path: Path) -> list[dict]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for x in text.splitlines():
+        try:
+            out.append(json.loads(x))
+        except ValueError:
+            continue  # a line being written
+    return out
 
 
-def run_demo(out: Path, *, nodes: int = 3, steps: int = 1000, step_time: float = 0.05,
-             kill_at: int | None = None, rejoin: bool = True, timeout: float = 170.0) -> dict:
+def _restore_tier(agents, world: int) -> str | None:
+    """Where the trainer says it restored from at world size ``world`` (its log line), if it did."""
+    import re
+
+    for a in agents:
+        m = re.search(rf"resumed at step \d+ of \d+ \(world size {world}, from (\w+)\)", a.log())
+        if m:
+            return m.group(1)
+    return None
+
+
+def run_demo(out: Path, *, nodes: int = 3, steps: int = 150, kill_at: int | None = None, rejoin: bool = True,
+             timeout: float = 170.0) -> dict:
     """Run the demo and return its summary (also written to ``out/summary.json``)."""
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "ckpt.json"):
+    for stale in ("metrics.jsonl", "summary.json", "timeline.png"):
         (out / stale).unlink(missing_ok=True)
-    kill_at = steps // 6 if kill_at is None else kill_at
-    log = StepLog(out / "metrics.jsonl")
+    ckpt = out / "checkpoints"
+    if ckpt.exists():
+        import shutil
+
+        shutil.rmtree(ckpt)
+    kill_at = steps // 4 if kill_at is None else kill_at
+    metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     started = time.time()
     etcd = EtcdServer(name="ftrt-demo", unsafe_no_fsync=True, log_path=str(out / "etcd.log")).start()
-    _say(f"embedded etcd on {etcd.endpoint}; starting {nodes} agents (nodes) for job 'demo'")
+    _say(f"embedded etcd on {etcd.endpoint}; starting {nodes} agents (nodes), one GRPO worker each")
     launch = [
         "--etcd", etcd.endpoint, "--job-id", "demo", "--nnodes", f"2:{nodes}", "--lease-ttl", "2",
-        "-m", "ftrt.examples.ddp_steps", "--steps", str(steps), "--step-time", str(step_time),
-        "--progress", str(log.path), "--all-ranks", "--ckpt", str(out / "ckpt.json"),
+        "--first-round-wait", "10", "-m", "ftrt.grpo", f"steps={steps}", "prompts_per_step=30",
+        f"metrics_path={metrics}", f"checkpoint.url={ckpt}", "checkpoint.interval=10", "progress=none",
     ]
-    env = {"OMP_NUM_THREADS": "1"}
-    agents = {f"node{i}": LocalNode(out, f"node{i}", launch, env=env).start() for i in range(nodes)}
+    agents = {f"node{i}": LocalNode(out, f"node{i}", launch).start() for i in range(nodes)}
     summary: dict = {"recovered": False, "recovery_s": None, "rejoin_s": None}
+    events: list[tuple[float, str]] = []
     try:
         left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
-        wait_until(lambda: log.stepping(world=nodes, ranks=nodes), left(), f"{nodes} ranks stepping")
-        _say(f"training at world size {nodes} (workers were pre-started warm, torch imported)")
-        try:
-            wait_until(lambda: all("spares warm again" in a.log() for a in agents.values()),
-                       min(60.0, left()), "spare workers warm")
-        except AssertionError:
-            _say("spares are still warming; the loss will be handled with a cold start")
-        wait_until(lambda: (_last(log) or {}).get("step", -1) >= kill_at, left(), f"step {kill_at}")
+        wait_until(lambda: any(x["world_size"] == nodes for x in _lines(metrics)), left(),
+                   f"GRPO training at world size {nodes}")
+        _say(f"training GRPO at world size {nodes} (task: reverse 6 symbols; reward 1.0 = all right)")
+        wait_until(lambda: any(x["step"] >= kill_at for x in _lines(metrics)), left(), f"step {kill_at}")
         victim = "node1"
+        last = _lines(metrics)[-1]
         killed_at = agents[victim].kill()
-        _say(f"SIGKILLed {victim} (its agent and workers) at step {_last(log)['step']}")
-        first = wait_until(lambda: log.stepping(world=nodes - 1, ranks=nodes - 1, since=killed_at),
-                           left(), "survivors stepping at the smaller world")
-        summary["recovery_s"] = round(max(first.values()) - killed_at, 3)
+        events.append((killed_at, f"{victim} killed"))
+        _say(f"SIGKILLed {victim} (agent and worker) after step {last['step']} (reward {last['reward_mean']:.2f})")
+        first = wait_until(
+            lambda: next((x for x in _lines(metrics) if x["world_size"] == nodes - 1 and x["time"] > killed_at), None),
+            left(), "the survivors training at the smaller world")
+        summary["recovery_s"] = round(first["time"] - killed_at, 3)
         summary["recovered"] = True
-        _say(f"the survivors are training at world size {nodes - 1}, "
-             f"{summary['recovery_s']:.2f} s after the kill")
+        summary["restored_from"] = _restore_tier(agents.values(), nodes - 1)
+        _say(f"the survivors restored from {summary['restored_from'] or 'a checkpoint'} and finished "
+             f"step {first['step']} at world size {nodes - 1}, {summary['recovery_s']:.2f} s after the kill")
         if rejoin:
-            again = LocalNode(out, victim, launch, env=env)
+            again = LocalNode(out, victim, launch)
             again.log_path = out / f"agent-{victim}-rejoin.log"
             agents[victim] = again.start()
+            events.append((again.started_at, f"{victim} restarted"))
             _say(f"{victim} starts again: it warms up while the others keep training, then joins")
             grown = wait_until(
-                lambda: log.stepping(world=nodes, ranks=nodes, since=again.started_at)
-                or not any(a.alive() for nid, a in agents.items() if nid != victim),
+                lambda: next((x for x in _lines(metrics) if x["world_size"] == nodes and x["time"] > again.started_at),
+                             None) or not any(a.alive() for nid, a in agents.items() if nid != victim),
                 left(), "the world to grow back",
             )
             if isinstance(grown, dict):
-                summary["rejoin_s"] = round(max(grown.values()) - again.started_at, 3)
-                _say(f"world size is {nodes} again, {summary['rejoin_s']:.2f} s after {victim}'s agent started")
+                summary["rejoin_s"] = round(grown["time"] - again.started_at, 3)
+                _say(f"world size is {nodes} again at step {grown['step']}, {summary['rejoin_s']:.2f} s "
+                     f"after {victim}'s agent started")
             else:
                 _say("the job finished before the node was warm enough to rejoin")
         codes = {nid: a.wait(max(1.0, deadline - time.monotonic())) for nid, a in agents.items()}
@@ -88,47 +116,60 @@ def run_demo(out: Path, *, nodes: int = 3, steps: int = 1000, step_time: float =
         for a in agents.values():
             a.cleanup()
         etcd.stop()
-    lines = log.lines()
-    rank0 = [x["step"] for x in lines if x["rank"] == 0]
+    lines = _lines(metrics)
+    steps_seen = [x["step"] for x in lines]
     worlds: list[int] = []
-    for x in sorted(lines, key=lambda x: x["time"]):
-        if not worlds or worlds[-1] != x["world"]:
-            worlds.append(x["world"])
+    for x in lines:
+        if not worlds or worlds[-1] != x["world_size"]:
+            worlds.append(x["world_size"])
+    last10 = [x["reward_mean"] for x in lines[-10:]]
+    ledger = [i for x in lines for i in x["prompt_ids"]]
     summary.update(
         world_sizes=worlds,
-        steps_redone=len(rank0) - len(set(rank0)),
-        steps_missing=sorted(set(range(steps)) - set(rank0)),
-        final_step=max(rank0) if rank0 else -1,
+        steps_redone=lines[-1]["redone"] if lines else 0,
+        steps_missing=sorted(set(range(steps)) - set(steps_seen)),
+        prompts_repeated=len(ledger) - len(set(ledger)),
+        final_step=max(steps_seen) if steps_seen else -1,
+        final_reward=round(sum(last10) / len(last10), 4) if last10 else None,
+        first_reward=round(sum(x["reward_mean"] for x in lines[:10]) / len(lines[:10]), 4) if lines else None,
         exit_codes=codes,
         wall_s=round(time.time() - started, 1),
         out=str(out),
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if lines:
+        from ftrt.plots import timeline_png
+
+        timeline_png(out / "timeline.png", lines, events,
+                     title=f"ftrt demo: GRPO on {nodes} nodes, one killed and restarted")
     return summary
 
 
 def demo_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="ftrt demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="ftrt-demo", help="output directory (default ./ftrt-demo)")
-    p.add_argument("--steps", type=int, default=1000, help="training steps (default 1000)")
+    p.add_argument("--steps", type=int, default=150, help="GRPO steps (default 150)")
     p.add_argument("--no-rejoin", dest="rejoin", action="store_false", help="do not restart the lost node")
     args = p.parse_args(argv)
     try:
         s = run_demo(Path(args.out), steps=args.steps, rejoin=args.rejoin)
     except AssertionError as exc:  # a wait ran out: say what did not happen, no traceback
         raise FtrtError(f"The demo did not complete: {exc}. Agent logs are in {args.out}/.") from None
-    ok = s["recovered"] and not s["steps_missing"] and all(c == 0 for c in s["exit_codes"].values())
+    ok = (s["recovered"] and not s["steps_missing"] and not s["prompts_repeated"]
+          and all(c == 0 for c in s["exit_codes"].values()))
     print()
     print("ftrt demo summary")
     print(f"  recovered from the node loss : {'yes' if s['recovered'] else 'NO'}"
-          f" (survivors stepping {s['recovery_s']} s after the kill)")
+          f" (survivors training {s['recovery_s']} s after the kill)")
     if s["rejoin_s"] is not None:
         print(f"  node rejoined                : world grew back {s['rejoin_s']} s after its agent started")
     print(f"  world sizes over time        : {' -> '.join(map(str, s['world_sizes']))}")
     print(f"  steps trained                : {s['final_step'] + 1} of {args.steps}, "
-          f"{s['steps_redone']} redone, {len(s['steps_missing'])} missing")
+          f"{s['steps_redone']} redone after restores, {len(s['steps_missing'])} missing, "
+          f"{s['prompts_repeated']} prompts trained twice")
+    print(f"  mean reward                  : {s['first_reward']} (first 10 steps) -> {s['final_reward']} (last 10)")
     print(f"  agents' exit codes           : {s['exit_codes']}")
-    print(f"  wall time                    : {s['wall_s']} s; files in {s['out']}/")
+    print(f"  wall time                    : {s['wall_s']} s; metrics, summary.json, timeline.png in {s['out']}/")
     return 0 if ok else 1
 
 

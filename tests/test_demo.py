@@ -10,12 +10,12 @@ import pytest
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_demo_loses_a_node_recovers_rejoins_and_loses_no_step(tmp_path):
+@pytest.mark.timeout(260)
+def test_demo_loses_a_node_recovers_and_loses_no_prompt(tmp_path):
     out = tmp_path / "demo"
     res = subprocess.run(
         [sys.executable, "-m", "ftrt.cli.main", "demo", "--out", str(out)],
-        capture_output=True, text=True, timeout=230,
+        capture_output=True, text=True, timeout=250,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -24,6 +24,11 @@ def test_demo_loses_a_node_recovers_rejoins_and_loses_no_step(tmp_path):
     # The first round may form with 2 nodes when the third agent starts late (MIN is 2); what must
     # be there is the shrink from 3 to 2 caused by the kill.
     assert any(worlds[i:i + 2] == [3, 2] for i in range(len(worlds) - 1)), worlds
-    assert summary["steps_missing"] == [] and summary["final_step"] == 999
+    assert summary["steps_missing"] == [] and summary["final_step"] == 149
+    assert summary["prompts_repeated"] == 0 and summary["steps_redone"] <= 2
     assert set(summary["exit_codes"].values()) == {0}
+    assert summary["final_reward"] > summary["first_reward"]  # it learns while all this happens
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(150))
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ftrt demo summary" in res.stdout

@@ -1,0 +1,159 @@
+"""GRPO run configuration: a pydantic model, loadable from YAML, overridable with ``KEY=VALUE``.
+
+Every field is documented (``python -m ftrt.grpo --help-config`` prints them). Bad values are
+rejected with :class:`ftrt.errors.ConfigError` naming the dotted field, the value and the rule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ftrt.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """The policy: the built-in tiny causal transformer."""
+
+    d_model: int = Field(96, ge=8, le=4096, description="hidden size of the built-in transformer")
+    n_layers: int = Field(2, ge=1, le=64, description="transformer blocks")
+    n_heads: int = Field(4, ge=1, le=64, description="attention heads (must divide d_model)")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
+        return self
+
+
+class TaskConfig(_Strict):
+    """The task: prompts and a verifiable reward in [0, 1] (see ftrt.grpo.tasks)."""
+
+    name: str = Field("reverse", description="registered task name (built in: reverse, add)")
+    params: dict[str, Any] = Field(default_factory=lambda: {"length": 6, "alphabet": 16},
+                                   description="the task's own parameters (reverse: length, "
+                                   "alphabet; add: digits)")
+
+
+class CheckpointConfig(_Strict):
+    """Where and how often the run checkpoints (ftrt.checkpoint.Checkpointer)."""
+
+    url: str | None = Field("grpo-checkpoints", description="checkpoint URL (path, file://, s3://, "
+                            "memory://); a run resumes from the newest checkpoint there; null: none")
+    interval: int = Field(1, ge=1, description="steps between checkpoints written to storage")
+    keep: int = Field(2, ge=1, description="committed checkpoints kept in storage")
+    memory_every: int = Field(1, ge=0, description="steps between in-memory checkpoints under "
+                              "ftrt launch (0: none); they make a crash lose at most this many steps")
+
+
+class GRPOConfig(_Strict):
+    """One GRPO run. Defaults learn the default task on 2 CPU ranks in a few minutes."""
+
+    seed: int = Field(0, ge=0, description="seeds the model init, the prompts and every sample")
+    steps: int = Field(250, ge=1, description="optimizer steps to train")
+    prompts_per_step: int = Field(32, ge=1, description="prompts per step, global: the same at "
+                                  "any world size (ranks split them)")
+    group_size: int = Field(16, ge=2, description="completions per prompt (G)")
+    lr: float = Field(1e-3, gt=0, le=1, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm (0: no clipping)")
+    clip_eps_low: float = Field(0.2, ge=0, lt=1, description="PPO clip: ratio >= 1 - clip_eps_low")
+    clip_eps_high: float = Field(0.28, ge=0, description="PPO clip: ratio <= 1 + clip_eps_high")
+    kl_beta: float = Field(0.0, ge=0, description="weight of the k3 KL to the frozen initial "
+                           "policy (0: no reference model)")
+    loss_agg: Literal["token_mean", "seq_mean", "dr_grpo"] = Field(
+        "token_mean", description="token_mean: over all tokens; seq_mean: per sequence then over "
+        "sequences; dr_grpo: token sum over (sequences x max_new_tokens)")
+    adv_std_norm: bool = Field(True, description="divide group advantages by the group's std "
+                               "(Dr. GRPO turns this off)")
+    ppo_epochs: int = Field(1, ge=1, le=16, description="optimizer passes over each rollout")
+    max_new_tokens: int = Field(0, ge=0, description="completion length cap; a completion ends at "
+                                "EOS or here (0: the task's answer length)")
+    temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature")
+    threads: int = Field(1, ge=1, description="torch threads per rank (fixed, so results are "
+                         "reproducible)")
+    metrics_path: str | None = Field("grpo-metrics.jsonl", description="rank 0 appends one JSON "
+                                     "line per step here (none: no file)")
+    progress: Literal["auto", "bar", "none"] = Field("auto", description="progress bar: auto shows "
+                                                     "it on a terminal")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"Config override {key}: {p} is not a section.")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
+    """Build a config from an optional YAML file and ``KEY=VALUE`` overrides (values parsed as YAML)."""
+    data: dict = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"Cannot read the config file {path}: {exc.strerror}.") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"The config file {path} is not valid YAML: {exc}.") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"The config file {path} must hold a mapping of fields, not {type(loaded).__name__}.")
+        data = loaded or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"Override {item!r} is not KEY=VALUE (e.g. steps=100 or checkpoint.url=/tmp/ck).")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        if key == "task.name" or key.endswith("url") or key.endswith("path"):
+            value = raw if raw not in ("null", "none", "None") else None
+        _set_dotted(data, key, value)
+    try:
+        return GRPOConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe(exc)) from None
+
+
+def describe(exc: ValidationError) -> str:
+    """One sentence per problem: the dotted field, the value given and what is allowed."""
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        given = err.get("input")
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            lines.append(f"Unknown config field {field!r}; see python -m ftrt.grpo --help-config.")
+        else:
+            lines.append(f"Config field {field!r} = {given!r} is invalid: {msg}.")
+    return " ".join(lines)
+
+
+def help_text() -> str:
+    """Every field with its default and description (for ``--help-config``)."""
+    out = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = f.default if f.default_factory is None else f.default_factory()
+            out.append(f"  {prefix}{name} = {default!r}\n      {f.description}")
+
+    walk(GRPOConfig, "")
+    return "\n".join(out)

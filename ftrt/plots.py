@@ -1,0 +1,75 @@
+"""PNG timelines (matplotlib, headless): reward and world size over time, with events marked.
+
+Used by ``ftrt demo`` and the docs' learning curves; the chaos reports reuse it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def timeline_png(path: str | Path, lines: list[dict], events: list[tuple[float, str]] = (),
+                 title: str = "ftrt GRPO run") -> Path:
+    """Plot ``reward_mean`` and ``world_size`` of metrics lines against wall time since the first.
+
+    ``events`` are ``(unix time, label)`` pairs drawn as vertical lines (faults, rejoins).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    lines = sorted(lines, key=lambda x: x["time"])
+    t0 = min([x["time"] for x in lines] + [t for t, _ in events]) if (lines or events) else 0.0
+    t = [x["time"] - t0 for x in lines]
+    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5), height_ratios=[3, 1])
+    ax1.plot(t, [x["reward_mean"] for x in lines], lw=1.2, color="tab:blue", label="mean reward per step")
+    ax1.set_ylabel("reward")
+    ax1.set_ylim(0, 1.02)
+    ax1.grid(alpha=0.3)
+    ax2.step(t, [x["world_size"] for x in lines], where="post", color="tab:green")
+    ax2.set_ylabel("world size")
+    ax2.set_xlabel("seconds")
+    ax2.set_yticks(sorted({x["world_size"] for x in lines}) or [1])
+    ax2.grid(alpha=0.3)
+    for when, label in events:
+        for ax in (ax1, ax2):
+            ax.axvline(when - t0, color="tab:red", ls="--", lw=1)
+        ax1.annotate(label, (when - t0, 1.0), rotation=90, va="top", ha="right", fontsize=8, color="tab:red")
+    ax1.set_title(title)
+    ax1.legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def curve_png(path: str | Path, lines: list[dict], title: str) -> Path:
+    """Reward against step (the docs' learning curve)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [x["step"] for x in lines]
+    rewards = [x["reward_mean"] for x in lines]
+    window = 10
+    smooth = [sum(rewards[max(0, i - window + 1):i + 1]) / len(rewards[max(0, i - window + 1):i + 1])
+              for i in range(len(rewards))]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(steps, rewards, lw=0.8, alpha=0.4, color="tab:blue", label="mean reward per step")
+    ax.plot(steps, smooth, lw=1.8, color="tab:blue", label=f"{window}-step mean")
+    ax.axhline(0.9, color="gray", ls=":", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
