@@ -20,11 +20,14 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """The policy: the built-in tiny causal transformer."""
+    """The policy: the built-in tiny causal transformer, or a local Hugging Face causal LM."""
 
     d_model: int = Field(96, ge=8, le=4096, description="hidden size of the built-in transformer")
     n_layers: int = Field(2, ge=1, le=64, description="transformer blocks")
     n_heads: int = Field(4, ge=1, le=64, description="attention heads (must divide d_model)")
+    hf_path: str | None = Field(None, description="local path of a Hugging Face causal LM and its "
+                                "tokenizer to train instead (needs the 'hf' extra; every task symbol "
+                                "must be one token)")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":

@@ -2,7 +2,8 @@
 
 Learned token and position embeddings, ``n_layers`` blocks of multi-head attention and a GELU
 MLP, a final norm and an untied output layer. Small enough for CPU: the default (96 wide, 2
-layers) has ~240k parameters.
+layers) has ~229k parameters. :class:`HFPolicy` puts a local Hugging Face causal LM
+behind the same interface (``model.hf_path``; needs the ``hf`` extra).
 """
 
 from __future__ import annotations
@@ -75,8 +76,47 @@ class TinyLM(nn.Module):
         return self.head(self.ln(x)), new
 
 
+class HFPolicy(nn.Module):
+    """A Hugging Face causal LM from a local path behind :class:`TinyLM`'s interface.
+
+    ``forward(tokens, cache, start)`` returns ``(logits, cache)``; the cache is the model's own
+    ``past_key_values``. The tokenizer saved beside the model maps the task's symbols to ids
+    (see :class:`ftrt.grpo.tasks.TokenizerVocab`).
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        try:
+            from transformers import AutoModelForCausalLM, AutoTokenizer  # type: ignore[import-not-found]
+        except ImportError:
+            from ftrt.errors import ConfigError
+
+            raise ConfigError("Config field 'model.hf_path' needs transformers: pip install 'ftrt[hf]'.") from None
+        try:
+            self.lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            from ftrt.errors import ConfigError
+
+            raise ConfigError(f"Config field 'model.hf_path' = {path!r}: cannot load a causal LM and its "
+                              f"tokenizer there ({str(exc).splitlines()[0]}).") from None
+
+        # transformers 5.x renamed ``past_key_values`` to ``cache``; older releases know only the former.
+        import inspect
+
+        accepted = inspect.signature(self.lm.forward).parameters
+        self._cache_arg = "cache" if "cache" in accepted else "past_key_values"
+
+    def forward(self, tokens: torch.Tensor, cache=None, start: int = 0):
+        out = self.lm(input_ids=tokens, use_cache=True, **{self._cache_arg: cache})
+        new = getattr(out, "cache", None)
+        return out.logits, new if new is not None else out.past_key_values
+
+
 def build_policy(cfg, vocab_size: int, max_len: int) -> nn.Module:
     """The policy the config asks for (seeded by the caller for identical init on every rank)."""
+    if cfg.hf_path:
+        return HFPolicy(cfg.hf_path)
     return TinyLM(vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, max_len)
 
 

@@ -152,3 +152,43 @@ class Vocab:
                 break
             out.append(self.tokens[i])
         return out
+
+
+class TokenizerVocab:
+    """:class:`Vocab`'s interface over a Hugging Face tokenizer (for ``model.hf_path``).
+
+    Every task symbol and the separator must be exactly one token of the tokenizer; EOS is the
+    tokenizer's, BOS its BOS (or EOS), PAD its PAD (or EOS).
+    """
+
+    def __init__(self, task: Task, tokenizer) -> None:
+        unk = getattr(tokenizer, "unk_token_id", None)
+        self.ids: dict[str, int] = {}
+        for sym in [*task.symbols, SEP]:
+            tid = tokenizer.convert_tokens_to_ids(sym)
+            if tid is None or (unk is not None and tid == unk):
+                raise ConfigError(f"Task symbol {sym!r} is not a single token of the tokenizer at "
+                                  f"model.hf_path; pick a task alphabet the tokenizer has tokens for.")
+            self.ids[sym] = tid
+        if tokenizer.eos_token_id is None:
+            raise ConfigError("The tokenizer at model.hf_path has no EOS token; completions could not end.")
+        self.eos = tokenizer.eos_token_id
+        self.bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eos
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
+        self.sep = self.ids[SEP]
+        self.symbol_of = {i: s for s, i in self.ids.items()}
+        self.size = len(tokenizer)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def encode(self, symbols: list[str]) -> list[int]:
+        return [self.ids[s] for s in symbols]
+
+    def decode_completion(self, ids: list[int]) -> list[str]:
+        out = []
+        for i in ids:
+            if i == self.eos or i == self.pad:
+                break
+            out.append(self.symbol_of.get(i, "\ufffd"))  # a token outside the task: always wrong
+        return out

@@ -34,7 +34,7 @@ from ftrt.grpo.config import GRPOConfig
 from ftrt.grpo.loss import aggregate, clipped_surrogate, group_advantages, k3_kl
 from ftrt.grpo.model import build_policy, param_count
 from ftrt.grpo.rollout import rollout, token_logps
-from ftrt.grpo.tasks import Vocab, make_task
+from ftrt.grpo.tasks import TokenizerVocab, Vocab, make_task
 
 
 def shard(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -116,11 +116,15 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     task = make_task(cfg.task.name, cfg.task.params)
-    vocab = Vocab(task)
     max_new = cfg.max_new_tokens or task.answer_len
     prompt_len = task.prompt_len + 2
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = build_policy(cfg.model, len(vocab), prompt_len + max_new)
+    if cfg.model.hf_path:
+        model = build_policy(cfg.model, 0, prompt_len + max_new)
+        vocab: Vocab | TokenizerVocab = TokenizerVocab(task, model.tokenizer)
+    else:
+        vocab = Vocab(task)
+        model = build_policy(cfg.model, len(vocab), prompt_len + max_new)
     ref = copy.deepcopy(model).requires_grad_(False) if cfg.kl_beta > 0 else None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
