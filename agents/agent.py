@@ -374,11 +374,18 @@ class Agent:
         if self.state is not AgentState.RUNNING:
             return
         self._set_state(AgentState.WAITING)
-        self.log.warning("worker %s in round %d: %s; asking for a restart", kind, self.worker_round, detail)
-        self._events.emit(f"worker_{kind}", detail, round=self.worker_round)
+        failed = self.worker_round  # captured: a new round may start while the workers stop
+        self.log.warning("worker %s in round %d: %s; asking for a restart", kind, failed, detail)
+        self._events.emit(f"worker_{kind}", detail, round=failed)
         await self.pool.stop_running(self.cfg.restart_grace)
+        current = self.rdzv.view.round
+        if self.worker_round != failed or current is None or current.round != failed:
+            # Another node's report already replaced round `failed` (one hang stalls every rank's
+            # heartbeat, so several agents see it): that round restarted these workers too.
+            self.log.info("round %d was already replaced; no restart request needed", failed)
+            return
         try:
-            await self.rdzv.request_restart(self.worker_round, kind, detail)
+            await self.rdzv.request_restart(failed, kind, detail)
         except StoreError as exc:
             self.log.warning("could not request a restart: %s", exc)
 

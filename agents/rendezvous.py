@@ -254,9 +254,13 @@ class Rendezvous:
     # -- fenced writes for the agent ------------------------------------------------------------
     async def request_restart(self, rnd: int, kind: str, detail: str) -> None:
         """Ask for a new round because this node's workers failed in round ``rnd``."""
+        cur = self.view.round
+        if cur is None or cur.round != rnd:
+            return  # round `rnd` is gone already; a request for it would restart its successor
         req = RestartRequest(self.node_id, rnd, kind, detail)  # type: ignore[arg-type]
         await self.store.txn(
-            [Compare.mod_revision(self.keys.round, self.round_mod_revision)],
+            [Compare.mod_revision(self.keys.round, self.round_mod_revision),
+             Compare.value_is(self.keys.round, encode(cur))],
             [Put(self.keys.request(self.node_id), encode(req))],
         )
         self._wake.set()

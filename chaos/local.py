@@ -127,6 +127,14 @@ class LocalNode:
         text = self.log()
         return "warm workers ready" in text
 
+    def spares_warm(self) -> bool:
+        """The agent's spare workers are warm: after its start, or again after its last round started."""
+        text = self.log()
+        started = text.rfind("started ranks")
+        if started < 0:
+            return "warm workers ready" in text
+        return text.rfind("spares warm again") > started
+
     def cleanup(self) -> None:
         if self.proc is None:
             return

@@ -73,3 +73,37 @@ def curve_png(path: str | Path, lines: list[dict], title: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def chaos_timeline_png(path: str | Path, lines: list[dict], events: list[tuple[float, str]], title: str) -> Path:
+    """Steps over time, world size, faults (and their ends) marked; rank 0's metrics lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = sorted(lines, key=lambda x: x["time"])
+    t0 = min([x["time"] - x.get("step_s", 0.0) for x in lines] + [t for t, _ in events])
+    t = [x["time"] - t0 for x in lines]
+    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5), height_ratios=[3, 1])
+    ax1.plot(t, [x["step"] for x in lines], ".", ms=3, color="tab:blue", label="step trained (rank 0)")
+    ax1.set_ylabel("step")
+    ax1.grid(alpha=0.3)
+    ax2.step(t, [x["world_size"] for x in lines], where="post", color="tab:green")
+    ax2.set_ylabel("world size")
+    ax2.set_xlabel("seconds since the first step started")
+    ax2.set_yticks(sorted({x["world_size"] for x in lines}))
+    ax2.grid(alpha=0.3)
+    top = max(x["step"] for x in lines)
+    for when, label in events:
+        color = "tab:gray" if label.endswith("ends") else "tab:red"
+        for ax in (ax1, ax2):
+            ax.axvline(when - t0, color=color, ls="--", lw=1)
+        ax1.annotate(label, (when - t0, top), rotation=90, va="top", ha="right", fontsize=8, color=color)
+    ax1.set_title(title)
+    ax1.legend(loc="lower right")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -42,6 +42,12 @@ def _cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
     return ckpt_main(rest)
 
 
+def _cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
+    from ftrt.chaos.cli import chaos_main
+
+    return chaos_main(rest)
+
+
 def _cmd_grpo(args: argparse.Namespace, rest: list[str]) -> int:
     from ftrt.grpo.__main__ import main as grpo_main
 
@@ -59,6 +65,7 @@ COMMANDS: dict[str, tuple[Handler, str]] = {
     "status": (_cmd_status, "show a job's members, round, restarts and recent events"),
     "etcd": (_cmd_etcd, "run a local etcd server in the foreground (to try multi-node on one machine)"),
     "ckpt": (_cmd_ckpt, "list, inspect or verify checkpoints: ftrt ckpt ls|inspect|verify URL [STEP]"),
+    "chaos": (_cmd_chaos, "chaos scenarios: ftrt chaos list | run FILE.yaml [--report DIR] [--seed N]"),
     "grpo": (_cmd_grpo, "train GRPO (one process, or under ftrt launch): ftrt grpo [--config F] [KEY=VALUE ...]"),
     "demo": (_cmd_demo, "the main demo: an elastic job on 3 local nodes that loses one and goes on"),
 }

@@ -97,6 +97,21 @@ def test_hung_worker_is_killed_and_the_round_restarted(tmp_path, make_node):
     assert_no_step_lost(progress, 50)
 
 
+def test_one_hung_worker_restarts_the_job_once_though_every_agent_sees_a_hang(tmp_path, make_node):
+    """A hang stalls every rank's heartbeat (they wait in all_reduce): both agents report it, and
+    the job must restart once, not once per report. (The race where a report, delayed by stopping a
+    SIGSTOPped worker, restarted round 2 as well is reproduced by the freeze-worker chaos scenario.)"""
+    progress = Progress(tmp_path / "p.jsonl")
+    script = ddp_args(progress.path, steps=50, extra=("--hang-at-step", "15", "--fail-rank", "0"))
+    a = make_node("a", script, nnodes="2", extra=("--hang-timeout", "3"))
+    b = make_node("b", script, nnodes="2", extra=("--hang-timeout", "3"))
+    assert a.wait(120) == 0, a.log()
+    assert b.wait(30) == 0, b.log()
+    assert_no_step_lost(progress, 50)
+    assert {x["round"] for x in progress.lines()} == {1, 2}, a.log() + b.log()
+    assert "sent no heartbeat" in a.log() + b.log()
+
+
 def test_new_node_is_admitted_and_the_world_grows(tmp_path, make_node):
     progress = Progress(tmp_path / "p.jsonl")
     script = ddp_args(progress.path, steps=250)
