@@ -27,15 +27,17 @@ def etcd_main(argv: list[str]) -> int:
         name=args.name, data_dir=args.data_dir, host=args.host, client_port=args.port,
         peer_port=args.peer_port, binary=args.etcd_bin,
     )
-    server.start()
-    print(f"etcd is serving on {server.endpoint} (data in {server.data_dir}); Ctrl-C stops it.", flush=True)
     stop = False
 
     def _stop(*_):
         nonlocal stop
         stop = True
 
+    # Handlers first: a Ctrl-C or SIGTERM right after the "serving" line is a clean stop too.
     signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    server.start()
+    print(f"etcd is serving on {server.endpoint} (data in {server.data_dir}); Ctrl-C stops it.", flush=True)
     try:
         while not stop and server.alive():
             time.sleep(0.2)
