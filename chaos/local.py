@@ -151,6 +151,21 @@ class LocalNode:
         self._log.close()
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete JSON lines of a file another process appends to (a torn last line is skipped)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for raw in text.splitlines():
+        try:
+            out.append(json.loads(raw))
+        except ValueError:
+            continue  # a line being written
+    return out
+
+
 class StepLog:
     """The per-step JSON lines of ``ftrt.examples.ddp_steps``."""
 
@@ -158,17 +173,7 @@ class StepLog:
         self.path = Path(path)
 
     def lines(self) -> list[dict]:
-        try:
-            text = self.path.read_text()
-        except FileNotFoundError:
-            return []
-        out = []
-        for raw in text.splitlines():
-            try:
-                out.append(json.loads(raw))
-            except ValueError:
-                continue  # a line being written
-        return out
+        return read_jsonl(self.path)
 
     def after(self, t: float) -> list[dict]:
         return [x for x in self.lines() if x["time"] > t]

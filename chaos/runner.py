@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ftrt.chaos.faults import Context, Injected, injector
-from ftrt.chaos.local import LocalNode
+from ftrt.chaos.local import LocalNode, read_jsonl
 from ftrt.chaos.scenario import Scenario
 
 WARM_WAIT_S = 60.0
@@ -66,18 +66,7 @@ class Report:
         return json.dumps(asdict(self), indent=2)
 
 
-def _lines(path: Path) -> list[dict]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    out = []
-    for x in text.splitlines():
-        try:
-            out.append(json.loads(x))
-        except ValueError:
-            continue
-    return out
+_lines = read_jsonl
 
 
 class ChaosRun:

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ftrt.chaos.local import LocalNode, wait_until
+from ftrt.chaos.local import LocalNode, read_jsonl, wait_until
 from ftrt.errors import FtrtError
 from ftrt.store.etcd_server import EtcdServer
 
@@ -25,18 +25,7 @@ def _say(msg: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _lines(path: Path) -> list[dict]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    out = []
-    for x in text.splitlines():
-        try:
-            out.append(json.loads(x))
-        except ValueError:
-            continue  # a line being written
-    return out
+_lines = read_jsonl
 
 
 def _restore_tier(agents, world: int) -> str | None:
