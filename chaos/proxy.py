@@ -1,4 +1,4 @@
-"""A TCP proxy on loopback that a test or chaos scenario can cut, slow down and restore.
+"""A TCP proxy (on loopback unless told otherwise) that a test or chaos scenario can cut, slow down and restore.
 
 ``tc netem`` is not available here, so network faults towards a service (S3, etcd) go through
 this proxy: :meth:`TcpProxy.cut` drops every open connection and refuses new ones (an outage),
@@ -15,13 +15,15 @@ import time
 
 
 class TcpProxy:
-    """Forward ``127.0.0.1:<port>`` to ``target``. Use as a context manager or start()/stop()."""
+    """Forward ``<listen_host>:<port>`` to ``target``. Use as a context manager or start()/stop()."""
 
-    def __init__(self, target_host: str, target_port: int, listen_port: int = 0) -> None:
+    def __init__(self, target_host: str, target_port: int, listen_port: int = 0,
+                 listen_host: str = "127.0.0.1") -> None:
         self.target = (target_host, target_port)
+        self.host = listen_host
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", listen_port))
+        self._listener.bind((listen_host, listen_port))
         self._listener.listen(128)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
@@ -35,7 +37,7 @@ class TcpProxy:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self) -> "TcpProxy":
         self._sel.register(self._listener, selectors.EVENT_READ)

@@ -11,6 +11,9 @@ from ftrt.chaos.runner import Report
 def write_report(report: Report, out: Path, metrics: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(report.to_json() + "\n")
+    if report.skipped:
+        (out / "report.md").write_text(f"# Chaos run: {report.scenario} — SKIPPED\n\n{report.skipped}.\n")
+        return
     lines = [
         f"# Chaos run: {report.scenario} — {'PASSED' if report.passed else 'FAILED'}",
         "",
@@ -31,8 +34,10 @@ def write_report(report: Report, out: Path, metrics: list[dict]) -> None:
         from ftrt.plots import chaos_timeline_png
 
         t0 = metrics[0]["time"] - metrics[0].get("step_s", 0.0)
-        events = [(t0 + f.at, f"{f.kind} {f.target}") for f in report.faults]
-        events += [(t0 + f.ended_at, f"{f.kind} ends") for f in report.faults if f.ended_at is not None]
+        done = [f for f in report.faults if not f.detail.startswith("not injected")]
+        events = [(t0 + f.at, f"{f.kind} {f.target}") for f in done]
+        events += [(t0 + f.ended_at, f"{f.kind} ends") for f in done if f.ended_at is not None]
+        events += [(t0 + f.at + f.recovery_s, "recovered") for f in done if f.recovery_s is not None]
         chaos_timeline_png(out / "timeline.png", metrics, events, title=f"chaos: {report.scenario}")
 
 

@@ -3,12 +3,13 @@
 The job is the built-in GRPO trainer under ``ftrt launch`` on local nodes (one agent each, as
 :class:`~ftrt.chaos.local.LocalNode`), on an etcd the runner starts (1 or 3 members). Faults
 fire when rank 0's metrics reach ``at_step`` (or ``at_s`` after the first step). Recovery of a
-fault is the time from its injection to the end of the first step that started after it (rank
-0's metrics). A due fault first waits (at most a minute) for every live agent's spare workers to be
+fault is the time from its injection to the end of the step that closes the longest stall after
+it (rank 0's metrics; see :func:`recovery_time`). A due fault first waits (at most a minute) for every live agent's spare workers to be
 warm, as they are when faults come minutes apart in a long job. At the end:
 
 - ``final_step``: every step 0..steps-1 was trained, the job exited 0;
-- ``recovered``: every fault was followed by a step within ``expect.max_recovery_s``;
+- ``recovered``: every fault's recovery (:func:`recovery_time`: to the end of the step closing
+  the longest stall after it) is within ``expect.max_recovery_s``;
 - ``checkpoints_verify``: every committed checkpoint verifies, except the ones a fault damaged
   on purpose (those must fail verification);
 - ``ledger``: the trained prompts have no gap and no repeat;
@@ -22,16 +23,21 @@ warm, as they are when faults come minutes apart in a long job. At the end:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ftrt.chaos.faults import Context, Injected, injector
 from ftrt.chaos.local import LocalNode, read_jsonl
-from ftrt.chaos.scenario import Scenario
+from ftrt.chaos.netns import NetLab, unavailable
+from ftrt.chaos.proxy import TcpProxy
+from ftrt.chaos.s3server import MotoS3
+from ftrt.chaos.scenario import Fault, Scenario, storm_faults
 
 WARM_WAIT_S = 60.0
 """Longest a due fault waits for every live agent's spare workers to be warm."""
@@ -48,6 +54,7 @@ class FaultRecord:
     detail: str = ""
     recovery_s: float | None = None
     ended_at: float | None = None
+    duration_s: float | None = None
 
 
 @dataclass
@@ -61,6 +68,7 @@ class Report:
     wall_s: float = 0.0
     steps: int = 0
     world_sizes: list[int] = field(default_factory=list)
+    skipped: str | None = None  # why the scenario could not run here (it then neither passed nor failed)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -77,140 +85,181 @@ class ChaosRun:
         self.rng = random.Random(seed)
 
     # -- cluster -----------------------------------------------------------------------------
-    def _start_etcd(self):
+    def _start_etcd(self, host: str):
         from ftrt.store.etcd_server import EtcdCluster, EtcdServer
 
         if self.sc.cluster.etcd_members == 3:
-            return EtcdCluster(3, unsafe_no_fsync=True).start()
-        return EtcdServer(name="chaos", unsafe_no_fsync=True, log_path=str(self.work / "etcd.log")).start()
+            return EtcdCluster(3, host=host, unsafe_no_fsync=True).start()
+        return EtcdServer(name="chaos", host=host, unsafe_no_fsync=True, log_path=str(self.work / "etcd.log")).start()
 
-    def _launch_args(self, endpoints: str, job_id: str, run: str, max_nodes: int) -> list[str]:
+    def _launch_args(self, endpoints: str, job_id: str, run: str, max_nodes: int, ckpt: dict) -> list[str]:
         c = self.sc.cluster
         grpo = {**self.sc.job.grpo, "steps": self.sc.steps, "progress": "none", "seed": self.seed,
-                "metrics_path": str(self.work / f"{run}-metrics.jsonl"),
-                "checkpoint.url": str(self.work / f"{run}-ckpt")}
+                "metrics_path": str(self.work / f"{run}-metrics.jsonl"), **ckpt}
         return ["--etcd", endpoints, "--job-id", job_id, "--nnodes", f"{c.min_nodes or 1}:{max_nodes}",
                 "--nproc-per-node", str(c.workers_per_node), "--lease-ttl", str(c.lease_ttl),
                 "--hang-timeout", str(c.hang_timeout), "--first-round-wait", "5", "-m", "ftrt.grpo",
                 *(f"{k}={_yaml(v)}" for k, v in grpo.items())]
 
+    def faults(self) -> list[Fault]:
+        """The scenario's faults plus, for a storm, the ones this run's seed draws."""
+        storm = storm_faults(self.sc.storm, self.seed) if self.sc.storm is not None else []
+        return [*self.sc.faults, *storm]
+
     # -- one job -----------------------------------------------------------------------------
-    def _job(self, run: str, with_faults: bool, deadline: float):
-        """Run the job once; return (metrics lines, fault records, exit codes, context, pids seen)."""
+    def _job(self, run: str, with_faults: bool, deadline: float) -> "JobResult":
+        """Run the job once, with or without the faults, and check what needs the cluster still up."""
         sc = self.sc
-        etcd = self._start_etcd()
-        endpoints = getattr(etcd, "endpoints", None) or etcd.endpoint
-        job_id = f"chaos-{run}"
-        max_nodes = sc.cluster.nodes + sum(f.kind == "add_node" for f in sc.faults) if with_faults else sc.cluster.nodes
-        args = self._launch_args(endpoints, job_id, run, max_nodes)
-        metrics = self.work / f"{run}-metrics.jsonl"
+        faults = self.faults() if with_faults else []
+        max_nodes = sc.cluster.nodes + sum(f.kind == "add_node" for f in faults)
+        res = JobResult()
+        with contextlib.ExitStack() as stack:
+            lab = stack.enter_context(NetLab(max_nodes, self.rng)) if sc.cluster.netns else None
+            host = lab.host_ip if lab else "127.0.0.1"
+            etcd = self._start_etcd(host)
+            stack.callback(etcd.stop)
+            endpoints = getattr(etcd, "endpoints", None) or etcd.endpoint
+            proxy, ckpt, verify_opts = None, {"checkpoint.url": str(self.work / f"{run}-ckpt")}, None
+            if sc.cluster.storage == "s3":
+                s3 = stack.enter_context(MotoS3())
+                s3.create_bucket("chaos")
+                proxy = stack.enter_context(TcpProxy("127.0.0.1", s3.port, listen_host=host))
+                ckpt = {"checkpoint.url": f"s3://chaos/{run}-ckpt",
+                        "checkpoint.storage_options": s3.storage_options(f"http://{proxy.endpoint}")}
+                verify_opts = s3.storage_options()
+            job_id = f"chaos-{run}"
+            args = self._launch_args(endpoints, job_id, run, max_nodes, ckpt)
+            metrics = self.work / f"{run}-metrics.jsonl"
 
-        def start_node(name: str) -> LocalNode:
-            node = LocalNode(self.work, name, args)
-            node.log_path = self.work / f"{run}-agent-{name}-{int(time.time() * 1000) % 100000}.log"
-            return node.start()
+            def start_node(name: str) -> LocalNode:
+                command = None
+                if lab is not None:
+                    command = lab.wrap(Context.node_index(name), [sys.executable, "-m", "ftrt.cli.main", "launch",
+                                                                  "--node-id", name, *args])
+                node = LocalNode(self.work, name, args, command=command, env=NetLab.env() if lab else None)
+                node.log_path = self.work / f"{run}-agent-{name}-{int(time.time() * 1000) % 100000}.log"
+                return node.start()
 
-        nodes = {f"node{i}": start_node(f"node{i}") for i in range(sc.cluster.nodes)}
-        ctx = Context(nodes, etcd, endpoints, job_id, self.work / f"{run}-ckpt", self.rng, start_node)
-        pending = list(sc.faults) if with_faults else []
-        records: list[FaultRecord] = []
+            nodes: dict[str, LocalNode] = {}
+            stack.callback(lambda: [node.cleanup() for node in nodes.values()])
+            for i in range(sc.cluster.nodes):
+                nodes[f"node{i}"] = start_node(f"node{i}")
+            ctx = Context(nodes, etcd, endpoints, job_id, self.work / f"{run}-ckpt", self.rng, start_node,
+                          lab=lab, storage_proxy=proxy)
+            self._drive(ctx, faults, metrics, deadline, res)
+            res.codes = {n: node.proc.poll() for n, node in nodes.items() if n not in ctx.killed}
+            res.stale = asyncio.run(_leased_keys(endpoints, job_id))
+            res.ctx = ctx
+            if with_faults:
+                res.checkpoints = _verify_checkpoints(ckpt["checkpoint.url"], verify_opts, ctx.corrupted_steps)
+        res.lines = _lines(metrics)
+        t0 = res.t_first or (res.lines[0]["time"] if res.lines else time.time())
+        res.t0 = t0
+        done = sorted((r for r in res.records if not r.detail.startswith("not injected")), key=lambda r: r.at)
+        step_ends = [x["time"] - t0 for x in res.lines]
+        for i, rec in enumerate(done):
+            # a fault's window: while it lasts (not the rejoin after it), else the allowed recovery;
+            # cut at the next fault
+            limit = rec.at + (rec.duration_s or sc.expect.max_recovery_s)
+            nxt = done[i + 1].at if i + 1 < len(done) else float("inf")
+            rec.recovery_s = recovery_time(rec.at, step_ends, min(limit, nxt), next_fault=nxt < limit)
+        return res
+
+    def _drive(self, ctx: Context, faults: list[Fault], metrics: Path, deadline: float, res: "JobResult") -> None:
+        """Watch the job, inject each fault when due and end it after its duration, until the job ends."""
+        nodes = ctx.nodes
+        pending = list(faults)
         ends: list[tuple[float, FaultRecord, Injected]] = []
-        seen_pids: set[int] = set()
-        t_first: float | None = None
         warm_wait: float | None = None
-        codes: dict[str, int | None] = {}
-        try:
-            while time.monotonic() < deadline:
-                lines = _lines(metrics)
-                now = time.time()
-                if lines and t_first is None:
-                    t_first = lines[0]["time"] - lines[0].get("step_s", 0.0)
-                last_step = lines[-1]["step"] if lines else -1
-                for node in nodes.values():
-                    if node.alive():
-                        seen_pids.update(node.tree())
-                for f in list(pending):
-                    due = (f.at_step is not None and last_step >= f.at_step) or \
-                          (f.at_s is not None and t_first is not None and now - t_first >= f.at_s)
-                    if not due:
-                        continue
-                    # Like a long job's faults, each meets agents whose spare workers are warm (a
-                    # fault seconds after a restart would measure spare warm-up instead); bounded.
-                    if not all(n.spares_warm() for n in nodes.values() if n.alive()):
-                        if warm_wait is None:
-                            warm_wait = time.monotonic() + WARM_WAIT_S
-                        if time.monotonic() < warm_wait:
-                            continue
-                        self.log(f"[chaos] spares still warming after {WARM_WAIT_S:.0f} s; injecting anyway")
-                    warm_wait = None
-                    pending.remove(f)
-                    try:
-                        inj = injector(f.kind)(ctx, f)
-                    except Exception as exc:  # noqa: BLE001 - a fault that cannot be injected is a finding
-                        records.append(FaultRecord(f.kind, f.target, round(now - (t_first or now), 3), last_step,
-                                                   f"not injected: {exc}"))
-                        self.log(f"[chaos] {f.kind} could not be injected: {exc}")
-                        continue
-                    rec = FaultRecord(f.kind, inj.target, round(now - (t_first or now), 3), last_step, inj.detail)
-                    records.append(rec)
-                    self.log(f"[chaos] {rec.at:7.2f} s  step {last_step:>4}  {f.kind} -> {inj.target}: {inj.detail}")
-                    if inj.end is not None:
-                        ends.append((time.monotonic() + (f.duration_s or 0.0), rec, inj))
-                for item in list(ends):
-                    if time.monotonic() >= item[0]:
-                        ends.remove(item)
-                        item[2].end()
-                        item[1].ended_at = round(time.time() - (t_first or time.time()), 3)
-                        self.log(f"[chaos] {item[1].ended_at:7.2f} s  {item[1].kind} on {item[1].target} ended")
-                if not pending and not ends and not any(n.alive() for n in nodes.values()):
-                    break
-                time.sleep(0.05)
-            for item in ends:  # the run is over: end what is still going on
-                item[2].end()
-            codes = {n: node.proc.poll() for n, node in nodes.items()}
-            stale = asyncio.run(_leased_keys(endpoints, job_id))
-        finally:
+        while time.monotonic() < deadline:
+            lines = _lines(metrics)
+            now = time.time()
+            if lines and res.t_first is None:
+                res.t_first = lines[0]["time"] - lines[0].get("step_s", 0.0)
+            since = now - (res.t_first or now)
+            last_step = lines[-1]["step"] if lines else -1
             for node in nodes.values():
-                node.cleanup()
-            etcd.stop()
-        lines = _lines(metrics)
-        t0 = t_first or (lines[0]["time"] if lines else time.time())
-        for rec in records:  # recovery: the end of the first step that started after the fault
-            after = [x for x in lines if x["time"] - x.get("step_s", 0.0) - t0 > rec.at]
-            rec.recovery_s = round(after[0]["time"] - t0 - rec.at, 3) if after else None
-        return lines, records, codes, ctx, seen_pids, stale, t0
+                if node.alive():
+                    res.pids.update(node.tree())
+            for f in list(pending):
+                due = (f.at_step is not None and last_step >= f.at_step) or \
+                      (f.at_s is not None and res.t_first is not None and since >= f.at_s)
+                if not due:
+                    continue
+                # Like a long job's faults, each meets agents whose spare workers are warm (a
+                # fault seconds after a restart would measure spare warm-up instead); bounded.
+                if not all(n.spares_warm() for n in nodes.values() if n.alive()):
+                    if warm_wait is None:
+                        warm_wait = time.monotonic() + WARM_WAIT_S
+                    if time.monotonic() < warm_wait:
+                        continue
+                    self.log(f"[chaos] spares still warming after {WARM_WAIT_S:.0f} s; injecting anyway")
+                warm_wait = None
+                pending.remove(f)
+                try:
+                    inj = injector(f.kind)(ctx, f)
+                except Exception as exc:  # noqa: BLE001 - a fault that cannot be injected is a finding
+                    res.records.append(FaultRecord(f.kind, f.target, round(since, 3), last_step, f"not injected: {exc}"))
+                    self.log(f"[chaos] {f.kind} could not be injected: {exc}")
+                    continue
+                rec = FaultRecord(f.kind, inj.target, round(since, 3), last_step, inj.detail, duration_s=f.duration_s)
+                res.records.append(rec)
+                self.log(f"[chaos] {rec.at:7.2f} s  step {last_step:>4}  {f.kind} -> {inj.target}: {inj.detail}")
+                if inj.end is not None:
+                    ends.append((time.monotonic() + (f.duration_s or 0.0), rec, inj))
+                    ctx.busy.add(inj.target)
+            for item in list(ends):
+                if time.monotonic() >= item[0]:
+                    ends.remove(item)
+                    item[2].end()
+                    ctx.busy.discard(item[2].target)
+                    item[1].ended_at = round(time.time() - (res.t_first or time.time()), 3)
+                    self.log(f"[chaos] {item[1].ended_at:7.2f} s  {item[1].kind} on {item[1].target} ended")
+            if not any(n.alive() for n in nodes.values()):
+                break  # the job is over (or every node is dead)
+            time.sleep(0.05)
+        for _, rec, inj in ends:  # the run is over: end what is still going on (a dead node stays dead)
+            if rec.kind != "kill_node":
+                inj.end()
+                rec.ended_at = round(time.time() - (res.t_first or time.time()), 3)
+        for f in pending:
+            res.records.append(FaultRecord(f.kind, f.target, f.at_s if f.at_s is not None else -1.0, f.at_step or -1,
+                                           "not injected: the job ended before it was due"))
 
     def run(self) -> Report:
         sc = self.sc
         if self.work.exists():
             shutil.rmtree(self.work)
         self.work.mkdir(parents=True)
+        if sc.cluster.netns and (why := unavailable()) is not None:
+            self.log(f"[chaos] {sc.name}: SKIPPED: {why}")
+            return Report(sc.name, False, self.seed, skipped=why)
         t_start = time.monotonic()
         deadline = t_start + sc.timeout_s
         reference = None
         if sc.expect.equivalence == "exact":
             self.log(f"[chaos] {sc.name}: fault-free reference run first (equivalence: exact)")
-            reference, *_ = self._job("reference", False, deadline)
+            reference = self._job("reference", False, deadline).lines
         self.log(f"[chaos] {sc.name}: {sc.description}")
-        lines, records, codes, ctx, pids, stale, t0 = self._job("run", True, deadline)
+        job = self._job("run", True, deadline)
+        lines, records = job.lines, job.records
         inv: dict[str, dict] = {}
 
         def check(name: str, ok: bool, reason: str) -> None:
             inv[name] = {"ok": bool(ok), "reason": reason}
 
         steps = [x["step"] for x in lines]
-        codes = {n: c for n, c in codes.items() if n not in ctx.killed}  # a SIGKILLed agent cannot exit 0
+        codes = job.codes  # a SIGKILLed agent (not restarted) cannot exit 0
         check("final_step", steps == list(range(sc.steps)) and all(c == 0 for c in codes.values()),
               f"steps 0..{sc.steps - 1} trained once each, agents exited {codes}" if steps == list(range(sc.steps))
               else f"trained steps {_ranges(steps)} of 0..{sc.steps - 1}; agents exited {codes}")
         late = [r for r in records if r.recovery_s is None or r.recovery_s > sc.expect.max_recovery_s]
         injected = [r for r in records if not r.detail.startswith("not injected")]
-        check("recovered", not late and len(injected) == len(sc.faults),
-              f"{len(injected)}/{len(sc.faults)} faults injected; slowest recovery "
+        check("recovered", not late and len(injected) == len(records),
+              f"{len(injected)}/{len(records)} faults injected; slowest recovery "
               f"{max((r.recovery_s or 0) for r in records) if records else 0:.2f} s "
               f"(limit {sc.expect.max_recovery_s} s)" + (f"; late: {[r.kind for r in late]}" if late else ""))
-        ok, reason = _verify_checkpoints(ctx.ckpt_dir, ctx.corrupted_steps)
-        check("checkpoints_verify", ok, reason)
+        check("checkpoints_verify", *job.checkpoints)
         per = int(sc.job.grpo.get("prompts_per_step", 32))
         ledger = [i for x in lines for i in x["prompt_ids"]]
         check("ledger", sorted(ledger) == list(range(len(lines) * per)) and len(set(ledger)) == len(ledger),
@@ -226,19 +275,65 @@ class ChaosRun:
             wrong = [x["step"] for x in lines if x["prompt_ids"] != list(range(x["step"] * per, (x["step"] + 1) * per))]
             check("equivalence", not wrong, "each step trained the fault-free run's prompts" if not wrong
                   else f"steps {wrong[:10]} trained other prompts")
-        left = _alive(pids)
-        check("no_process_left", not left, "no process of the run is alive" if not left else f"still alive: {left}")
-        check("no_stale_keys", not stale, "no leased key left under the job's prefix" if not stale
-              else f"leased keys left: {stale}")
-        productive = sum(x.get("step_s", 0.0) for x in lines)
-        span = (lines[-1]["time"] - t0) if lines else 0.0
         worlds: list[int] = []
         for x in lines:
             if not worlds or worlds[-1] != x["world_size"]:
                 worlds.append(x["world_size"])
+        if sc.expect.world_grows:
+            low = worlds.index(min(worlds)) if worlds else 0
+            check("world_grows", bool(worlds) and max(worlds[low:]) > worlds[low],
+                  f"world sizes {' -> '.join(map(str, worlds))}: "
+                  + ("it grew again after its smallest" if worlds and max(worlds[low:]) > worlds[low]
+                     else "it never grew after its smallest"))
+        left = _alive(job.pids)
+        check("no_process_left", not left, "no process of the run is alive" if not left else f"still alive: {left}")
+        check("no_stale_keys", not job.stale, "no leased key left under the job's prefix" if not job.stale
+              else f"leased keys left: {job.stale}")
+        productive = sum(x.get("step_s", 0.0) for x in lines)
+        span = (lines[-1]["time"] - job.t0) if lines else 0.0
         return Report(sc.name, all(v["ok"] for v in inv.values()), self.seed, records, inv,
                       round(productive / span, 4) if span > 0 else None, round(time.monotonic() - t_start, 1),
                       len(lines), worlds)
+
+
+@dataclass
+class JobResult:
+    """What one run of the job left: metrics, faults, exit codes, processes, stale keys, checkpoints."""
+
+    lines: list[dict] = field(default_factory=list)
+    records: list[FaultRecord] = field(default_factory=list)
+    codes: dict[str, int | None] = field(default_factory=dict)
+    ctx: Context | None = None
+    pids: set[int] = field(default_factory=set)
+    stale: list[str] = field(default_factory=list)
+    t_first: float | None = None
+    t0: float = 0.0
+    checkpoints: tuple[bool, str] = (False, "not checked")
+
+
+def recovery_time(at: float, step_ends: list[float], window_end: float, next_fault: bool = False) -> float | None:
+    """Seconds from a fault at ``at`` to the end of the step that closes the longest stall after it.
+
+    ``step_ends`` are the times committed steps ended (sorted); the stall is the longest gap
+    between ``at`` (or a step end after it) and the next step end, among the ends up to
+    ``window_end`` plus the first one after it (a stall still open at the end of the window is
+    this fault's) unless ``next_fault`` says the window ends because another fault came then
+    (a stall across that is the other fault's). Taking the longest gap, not the first step that
+    ended, keeps a step the victim had already contributed to from passing for a recovery (a
+    frozen worker can have sent its part of the next step before it stopped). None: no step
+    ended after the fault.
+    """
+    after = [t for t in step_ends if t > at]
+    if not after:
+        return None
+    inside = [t for t in after if t <= window_end]
+    ends = inside if inside and next_fault else inside + after[len(inside):len(inside) + 1]
+    prev, best, closing = at, -1.0, ends[0]
+    for t in ends:
+        if t - prev > best:
+            best, closing = t - prev, t
+        prev = t
+    return round(closing - at, 3)
 
 
 def _yaml(v) -> str:
@@ -280,17 +375,18 @@ async def _leased_keys(endpoints: str, job_id: str) -> list[str]:
         await store.close()
 
 
-def _verify_checkpoints(root: Path, damaged: set[int]) -> tuple[bool, str]:
+def _verify_checkpoints(url: str, storage_options: dict | None, damaged: set[int]) -> tuple[bool, str]:
     from ftrt.checkpoint import manifest as mf
-    from ftrt.checkpoint.storage import parse_url, step_dir
+    from ftrt.checkpoint.storage import list_steps, parse_url, step_dir
     from ftrt.errors import CheckpointCorrupt
 
-    if not root.exists():
-        return False, f"no checkpoint folder at {root}"
-    loc = parse_url(str(root))
+    loc = parse_url(url, storage_options)
+    try:
+        steps = list_steps(loc)
+    except Exception as exc:  # noqa: BLE001 - unreadable storage at the end is the finding
+        return False, f"cannot list the checkpoints at {url}: {exc}"
     good, bad, unexpected = 0, [], []
-    for folder in sorted(root.glob("step-*")):
-        step = int(folder.name.split("-")[1])
+    for step in steps:
         try:
             m = mf.read_manifest(loc, step_dir(step))
         except CheckpointCorrupt:
@@ -304,4 +400,6 @@ def _verify_checkpoints(root: Path, damaged: set[int]) -> tuple[bool, str]:
             (bad if step in damaged else unexpected).append(f"step {step}: {exc}")
     if unexpected:
         return False, "; ".join(unexpected)
-    return good > 0, f"{good} committed checkpoints verify" + (f"; {len(bad)} damaged on purpose fail as they must" if bad else "")
+    if not good:
+        return False, f"no committed checkpoint at {url}"
+    return True, f"{good} committed checkpoints verify" + (f"; {len(bad)} damaged on purpose fail as they must" if bad else "")

@@ -1,16 +1,19 @@
 """Chaos scenario files: a pydantic schema, loaded from YAML with errors that name the field.
 
-A scenario describes the cluster (etcd members, nodes, workers per node), the job (the built-in
-GRPO with config overrides), how many steps it trains, a list of faults (``kind``, when:
-``at_step`` or ``at_s``, ``target``: a node id or ``random``, ``duration_s`` where it applies)
-and what must hold (maximum recovery time, equivalence to a fault-free run). The reference for
-every field is ``docs/chaos.md``.
+A scenario describes the cluster (etcd members, nodes, workers per node, network namespaces,
+checkpoint storage), the job (the built-in GRPO with config overrides), how many steps it trains,
+a list of faults (``kind``, when: ``at_step`` or ``at_s``, ``target``: a node id or ``random``,
+``duration_s`` where it applies), optionally a storm (random faults drawn from the run's seed,
+see :func:`storm_faults`) and what must hold (maximum recovery time, equivalence to a fault-free
+run, growth back). The reference for every field is ``docs/chaos.md``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
+
+import random
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,9 +22,17 @@ from ftrt.errors import ConfigError
 
 FaultKind = Literal[
     "kill_worker", "kill_node", "freeze_worker", "freeze_node", "kill_etcd_member", "stop_etcd",
-    "corrupt_checkpoint", "truncate_checkpoint", "add_node",
+    "corrupt_checkpoint", "truncate_checkpoint", "add_node", "partition_node", "storage_outage",
+    "storage_slow",
 ]
-DURATION_KINDS = {"freeze_worker", "freeze_node", "kill_etcd_member", "stop_etcd"}
+DURATION_KINDS = {"freeze_worker", "freeze_node", "kill_etcd_member", "stop_etcd", "partition_node",
+                  "storage_outage", "storage_slow"}
+"""Faults that last: they need ``duration_s`` (``kill_node`` takes one optionally: the node restarts after it)."""
+NODE_KINDS = {"kill_worker", "kill_node", "freeze_worker", "freeze_node", "partition_node"}
+"""Faults whose ``target`` is a node."""
+STORM_KINDS = ("kill_worker", "kill_node", "freeze_worker", "freeze_node", "partition_node", "stop_etcd",
+               "storage_outage", "storage_slow")
+"""What a storm may draw (each only where the cluster supports it)."""
 
 
 class _Strict(BaseModel):
@@ -37,6 +48,10 @@ class Cluster(_Strict):
     min_nodes: int | None = Field(None, ge=1, description="--nnodes MIN (default 1)")
     lease_ttl: float = Field(2.0, gt=0, description="--lease-ttl of every agent")
     hang_timeout: float = Field(10.0, gt=0, description="--hang-timeout of every agent")
+    netns: bool = Field(False, description="each node in its own network namespace (root only; "
+                        "needed by partition_node; scenarios are skipped with a reason elsewhere)")
+    storage: Literal["local", "s3"] = Field("local", description="where checkpoints go: a local "
+                                            "folder, or S3 (moto's server behind a TCP proxy; needed by storage_*)")
 
 
 class Job(_Strict):
@@ -53,7 +68,10 @@ class Fault(_Strict):
     at_step: int | None = Field(None, ge=0, description="inject once rank 0 has logged this step")
     at_s: float | None = Field(None, ge=0, description="inject this many seconds after the first step")
     target: str = Field("random", description="a node id (node0, node1, ...) or random")
-    duration_s: float | None = Field(None, gt=0, description="how long a freeze or an etcd outage lasts")
+    duration_s: float | None = Field(None, gt=0, description="how long the fault lasts (a freeze, "
+                                     "an outage, a partition); kill_node: restart the node after it")
+    delay_s: float = Field(0.05, gt=0, le=5, description="storage_slow: seconds added to every "
+                           "chunk the storage proxy forwards")
 
     @model_validator(mode="after")
     def _when(self) -> "Fault":
@@ -64,6 +82,18 @@ class Fault(_Strict):
         return self
 
 
+class Storm(_Strict):
+    """Random faults: gaps drawn from an exponential with mean ``mtbf_s``, kinds and targets at random."""
+
+    mtbf_s: float = Field(gt=0, description="mean seconds between faults")
+    duration_s: float = Field(gt=0, description="faults are drawn in [start_s, duration_s] seconds after the first step")
+    start_s: float = Field(5.0, ge=0, description="no fault before this many seconds")
+    kinds: list[FaultKind] = Field(default_factory=lambda: ["kill_worker", "kill_node", "freeze_worker"],
+                                   description=f"kinds to draw from (any of {', '.join(STORM_KINDS)})")
+    down_s: float = Field(10.0, gt=0, description="how long a killed node stays down, a freeze, "
+                          "partition or outage lasts")
+
+
 class Expect(_Strict):
     """What must hold at the end besides the standard invariants."""
 
@@ -71,6 +101,8 @@ class Expect(_Strict):
     equivalence: Literal["exact", "ledger", "none"] = Field(
         "ledger", description="exact: per-step metrics equal a fault-free run's; ledger: the same "
         "prompts trained step for step; none: no comparison")
+    world_grows: bool = Field(False, description="after its smallest, the world grows again (a node "
+                              "added, restarted or healed joins before the job ends)")
 
 
 class Scenario(_Strict):
@@ -82,6 +114,7 @@ class Scenario(_Strict):
     job: Job = Field(default_factory=Job)
     steps: int = Field(40, ge=1, description="GRPO steps to train")
     faults: list[Fault] = Field(default_factory=list)
+    storm: Storm | None = Field(None, description="random faults drawn from the run's seed, besides faults")
     expect: Expect = Field(default_factory=Expect)
     timeout_s: float = Field(300.0, gt=0, description="the whole run's limit")
 
@@ -89,14 +122,46 @@ class Scenario(_Strict):
     def _consistent(self) -> "Scenario":
         nodes = {f"node{i}" for i in range(self.cluster.nodes + sum(f.kind == "add_node" for f in self.faults))}
         for i, f in enumerate(self.faults):
-            if f.target != "random" and f.kind not in ("add_node", "kill_etcd_member", "stop_etcd") \
-                    and f.target not in nodes:
+            if f.target != "random" and f.kind in NODE_KINDS and f.target not in nodes:
                 raise ValueError(f"faults.{i}.target {f.target!r} is not a node of this cluster ({', '.join(sorted(nodes))})")
             if f.kind == "kill_etcd_member" and self.cluster.etcd_members < 3:
                 raise ValueError(f"faults.{i}: kill_etcd_member needs cluster.etcd_members: 3")
+            if f.kind == "partition_node" and not self.cluster.netns:
+                raise ValueError(f"faults.{i}: partition_node needs cluster.netns: true")
+            if f.kind.startswith("storage_") and self.cluster.storage != "s3":
+                raise ValueError(f"faults.{i}: {f.kind} needs cluster.storage: s3")
+            if f.kind.endswith("_checkpoint") and self.cluster.storage != "local":
+                raise ValueError(f"faults.{i}: {f.kind} damages local files; it needs cluster.storage: local")
             if f.at_step is not None and f.at_step >= self.steps:
                 raise ValueError(f"faults.{i}.at_step {f.at_step} is not before the last step ({self.steps - 1})")
+        if self.storm is not None:
+            for kind in self.storm.kinds:
+                if kind not in STORM_KINDS:
+                    raise ValueError(f"storm.kinds: {kind} cannot be drawn (choose from {', '.join(STORM_KINDS)})")
+                if kind == "partition_node" and not self.cluster.netns:
+                    raise ValueError("storm.kinds: partition_node needs cluster.netns: true")
+                if kind.startswith("storage_") and self.cluster.storage != "s3":
+                    raise ValueError(f"storm.kinds: {kind} needs cluster.storage: s3")
+            if self.storm.duration_s <= self.storm.start_s:
+                raise ValueError(f"storm.duration_s {self.storm.duration_s} must exceed storm.start_s {self.storm.start_s}")
         return self
+
+
+def storm_faults(storm: Storm, seed: int) -> list[Fault]:
+    """The storm's faults for ``seed``: the same seed always draws the same times, kinds and durations.
+
+    Gaps are exponential with mean ``mtbf_s`` from ``start_s`` on, until ``duration_s``; a killed
+    node restarts after ``down_s``; targets stay ``random`` (drawn, also from the seed, when due).
+    """
+    rng = random.Random(f"storm-{seed}")
+    out, t = [], storm.start_s
+    while True:
+        t += rng.expovariate(1.0 / storm.mtbf_s)
+        if t > storm.duration_s:
+            return out
+        kind = rng.choice(storm.kinds)
+        down = storm.down_s if kind in DURATION_KINDS or kind == "kill_node" else None
+        out.append(Fault(kind=kind, at_s=round(t, 2), duration_s=down))
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -48,7 +48,7 @@ from ftrt.checkpoint.storage import (
     step_dir,
     write_bytes,
 )
-from ftrt.errors import CheckpointCorrupt, CheckpointSaveFailed, ConfigError, RoundChanged
+from ftrt.errors import CheckpointCorrupt, CheckpointSaveFailed, CheckpointUnavailable, ConfigError, RoundChanged
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,18 @@ class SaveHandle:
         self._future: cf.Future | None = None
         self.stage_s = 0.0
         self.persist_s = 0.0
+        self.persisting = False  # writes to storage (not a memory checkpoint only)
+        self.skipped = False  # skip_if_busy skipped it: nothing was saved
+
+    @classmethod
+    def skipped_at(cls, step: int) -> "SaveHandle":
+        """A handle for a save that ``skip_if_busy`` skipped: done, nothing saved."""
+        h = cls(step)
+        h.skipped = True
+        h._staged.set()
+        h._future = cf.Future()
+        h._future.set_result(None)
+        return h
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Return once the state has been copied; the caller may then change its tensors."""
@@ -150,8 +162,10 @@ class Checkpointer:
             # interleave with the training loop's.
             ranks = dist.get_process_group_ranks(process_group) if process_group else None
             self._pg = dist.new_group(ranks=ranks, backend="gloo")
+            # Another for the training thread's one collective (skip_if_busy's agreement).
+            self._vote_pg = dist.new_group(ranks=ranks, backend="gloo")
         else:
-            self.rank, self.world, self._pg = 0, 1, None
+            self.rank, self.world, self._pg, self._vote_pg = 0, 1, None, None
         self._stager = Stager(staging_slots)
         self._stage_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftrt-ckpt-stage")
         # Persistence and deletion are background work: their threads run at a lower CPU priority
@@ -169,6 +183,7 @@ class Checkpointer:
         self.last_restore_tier: str | None = None
         self._closed = False
         self.last_committed: int | None = None
+        self.skipped_saves = 0  # saves skip_if_busy turned into memory-only ones or skipped
         if self.rank == 0 and self.loc.is_local:
             self.loc.fs.makedirs(self.loc.root, exist_ok=True)
 
@@ -177,6 +192,16 @@ class Checkpointer:
     def has_memory_tier(self) -> bool:
         """True when saves also go to the node's memory tier (``save(..., persist=False)`` works)."""
         return self._arena is not None
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any (a collective on the vote group)."""
+        if not self.distributed:
+            return flag
+        import torch
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._vote_pg)
+        return bool(t.item())
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
@@ -193,11 +218,18 @@ class Checkpointer:
         return box[0]
 
     # -- save -----------------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any], *, persist: bool = True) -> SaveHandle:
+    def save(self, step: int, state: dict[str, Any], *, persist: bool = True,
+             skip_if_busy: bool = False) -> SaveHandle:
         """Start a save of ``state`` as ``step``; returns at once (see the module docstring).
 
         ``persist=False`` makes a memory checkpoint only (needs ``mem_dir``): no storage write, the
         handle completes once the copy is in the arena. Cheap enough to take every step.
+
+        ``skip_if_busy=True``: when an earlier storage save is still running on any rank (slow or
+        failing storage), this one does not queue behind it, which would soon make training wait
+        for a staging slot; it is a memory checkpoint only (with a memory tier) or skipped
+        (``handle.skipped``). Every rank must pass the same value: the ranks agree with one small
+        collective, so all of them skip or none does.
         """
         if self._closed:
             raise ConfigError("This Checkpointer is closed; create a new one to save again.")
@@ -205,10 +237,18 @@ class Checkpointer:
             raise ConfigError(f"The checkpoint step must be an int >= 0, got {step!r}.")
         if not persist and self._arena is None:
             raise ConfigError("save(persist=False) needs a memory tier (mem_dir, set under ftrt launch).")
+        if persist and skip_if_busy and self._any_rank(any(h.persisting and not h.done() for h in self._pending)):
+            log.info("checkpoint step %d: an earlier save is still writing to storage; %s", step,
+                     "memory copy only" if self._arena is not None else "skipped")
+            self.skipped_saves += 1
+            if self._arena is None:
+                return SaveHandle.skipped_at(step)
+            persist = False
         sd = self._stager.snapshot_plain(st.to_dcp(state))
         avoid = self._arena.current_slot() if self._arena is not None else None
         slot = self._stager.acquire(avoid=avoid)
         handle = SaveHandle(step)
+        handle.persisting = persist
         stage = self._stage if self._arena is None else self._stage_memory
         staged = self._stage_pool.submit(stage, slot, sd, handle, step)
         if not self._prewarmed:
@@ -407,13 +447,25 @@ class Checkpointer:
         found = None
         if self.rank == 0:
             limit0 = self.latest_limit() if self.latest_limit is not None else None
-            found = (limit0, list_steps(self.loc))
-        limit, steps = self._broadcast(found)
+            try:
+                found = (limit0, list_steps(self.loc), None)
+            except Exception as exc:  # storage down: the memory tier may not need it
+                found = (limit0, None, exc)
+        limit, steps, storage_error = self._broadcast(found)
+        if storage_error is not None:
+            log.warning("cannot list the checkpoints in %s (%s); trying the memory tier alone",
+                        self.loc.url, _short(storage_error))
         if self._arena is not None:
-            allowed = [s for s in steps if limit is None or s <= limit]
+            allowed = [s for s in steps or [] if limit is None or s <= limit]
             got = self._restore_memory(state, newest_storage=max(allowed, default=-1))
             if got is not None:
                 return got
+        if storage_error is not None:
+            raise CheckpointUnavailable(
+                f"Cannot restore: listing the checkpoints in {self.loc.url} failed ({_short(storage_error)}) "
+                f"and no memory checkpoint covers this job. Check that the storage is reachable; the "
+                f"checkpoints there are untouched."
+            ) from storage_error
         rejected: list[str] = []
         for step in reversed(steps):
             folder = step_dir(step)

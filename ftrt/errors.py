@@ -66,3 +66,7 @@ class CheckpointCorrupt(FtrtError):
 
 class CheckpointSaveFailed(FtrtError):
     """A checkpoint could not be persisted; nothing was committed."""
+
+
+class CheckpointUnavailable(FtrtError):
+    """The checkpoint storage cannot be read now and no memory checkpoint can stand in for it."""

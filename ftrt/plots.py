@@ -76,7 +76,12 @@ def curve_png(path: str | Path, lines: list[dict], title: str) -> Path:
 
 
 def chaos_timeline_png(path: str | Path, lines: list[dict], events: list[tuple[float, str]], title: str) -> Path:
-    """Steps over time, world size, faults (and their ends) marked; rank 0's metrics lines."""
+    """Steps over time per node, which node trained when, world size; faults, their ends and recoveries marked.
+
+    ``lines`` are rank 0's GRPO metrics lines; each names the nodes that trained the step
+    (``nodes``; older lines without it count as rank 0's alone). Events labelled ``... ends`` draw
+    grey, ``recovered`` green, faults red.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,10 +90,21 @@ def chaos_timeline_png(path: str | Path, lines: list[dict], events: list[tuple[f
     lines = sorted(lines, key=lambda x: x["time"])
     t0 = min([x["time"] - x.get("step_s", 0.0) for x in lines] + [t for t, _ in events])
     t = [x["time"] - t0 for x in lines]
-    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5), height_ratios=[3, 1])
-    ax1.plot(t, [x["step"] for x in lines], ".", ms=3, color="tab:blue", label="step trained (rank 0)")
+    nodes = sorted({n for x in lines for n in x.get("nodes", ["rank 0"])})
+    fig, (ax1, ax3, ax2) = plt.subplots(3, 1, sharex=True, figsize=(9, 6.5), height_ratios=[3, 1.2, 1])
+    colors = plt.get_cmap("tab10")
+    for k, node in enumerate(nodes):
+        mine = [(ti, x["step"]) for ti, x in zip(t, lines) if node in x.get("nodes", ["rank 0"])]
+        # nodes train the same steps together: a small offset keeps every node's line visible
+        ax1.plot([a for a, _ in mine], [b + 0.01 * k * max(1, lines[-1]["step"]) for _, b in mine], ".", ms=2.5,
+                 color=colors(k % 10), label=node)
+        ax3.scatter([a for a, _ in mine], [k] * len(mine), s=3, marker="|", color=colors(k % 10))
     ax1.set_ylabel("step")
     ax1.grid(alpha=0.3)
+    ax3.set_yticks(range(len(nodes)), nodes, fontsize=8)
+    ax3.set_ylim(-0.7, len(nodes) - 0.3)
+    ax3.set_ylabel("training")
+    ax3.grid(alpha=0.3, axis="x")
     ax2.step(t, [x["world_size"] for x in lines], where="post", color="tab:green")
     ax2.set_ylabel("world size")
     ax2.set_xlabel("seconds since the first step started")
@@ -96,10 +112,11 @@ def chaos_timeline_png(path: str | Path, lines: list[dict], events: list[tuple[f
     ax2.grid(alpha=0.3)
     top = max(x["step"] for x in lines)
     for when, label in events:
-        color = "tab:gray" if label.endswith("ends") else "tab:red"
-        for ax in (ax1, ax2):
-            ax.axvline(when - t0, color=color, ls="--", lw=1)
-        ax1.annotate(label, (when - t0, top), rotation=90, va="top", ha="right", fontsize=8, color=color)
+        color = "tab:gray" if label.endswith("ends") else "tab:green" if label == "recovered" else "tab:red"
+        for ax in (ax1, ax3, ax2):
+            ax.axvline(when - t0, color=color, ls=":" if label == "recovered" else "--", lw=1)
+        if label != "recovered":
+            ax1.annotate(label, (when - t0, top), rotation=90, va="top", ha="right", fontsize=8, color=color)
     ax1.set_title(title)
     ax1.legend(loc="lower right")
     fig.tight_layout()

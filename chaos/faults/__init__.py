@@ -1,7 +1,7 @@
 """Fault injectors for the chaos suite, one small module per family.
 
 Every injector is ``inject(ctx, fault) -> Injected``: it acts at once and says what it hit and,
-for faults that last (freezes, etcd outages), how to end them. :data:`INJECTORS` maps each
+for faults that last (freezes, outages, partitions, a node down for a while), how to end them. :data:`INJECTORS` maps each
 scenario ``kind`` to its injector.
 """
 
@@ -27,17 +27,25 @@ class Context:
     rng: random.Random
     start_node: Callable[[str], LocalNode]
     corrupted_steps: set[int] = field(default_factory=set)
-    killed: set[str] = field(default_factory=set)  # nodes whose agent a fault SIGKILLed
+    killed: set[str] = field(default_factory=set)  # nodes whose agent a fault SIGKILLed (and not restarted)
+    lab: Any = None  # ftrt.chaos.netns.NetLab when the nodes have their own network namespaces
+    storage_proxy: Any = None  # ftrt.chaos.proxy.TcpProxy in front of S3 when checkpoints go there
+    busy: set[str] = field(default_factory=set)  # nodes a lasting fault (freeze, partition, down) holds now
+
+    @staticmethod
+    def node_index(node_id: str) -> int:
+        return int(node_id.removeprefix("node"))
 
     def alive_nodes(self) -> list[str]:
         return sorted(n for n, node in self.nodes.items() if node.alive())
 
-    def pick_node(self, target: str) -> str:
+    def pick_node(self, target: str, among: list[str] | None = None) -> str:
+        """``target``, or for ``random`` a live node (of ``among``) that no lasting fault holds now."""
         if target != "random":
             return target
-        alive = self.alive_nodes()
+        alive = [n for n in self.alive_nodes() if n not in self.busy and (among is None or n in among)]
         if not alive:
-            raise RuntimeError("no node is alive to inject a fault into")
+            raise RuntimeError("no node is alive (and free of other faults) to inject a fault into")
         return self.rng.choice(alive)
 
 
@@ -49,14 +57,15 @@ class Injected:
 
 
 def _injectors() -> dict[str, Callable[[Context, Any], Injected]]:
-    from ftrt.chaos.faults import etcd, files, membership, process
+    from ftrt.chaos.faults import etcd, files, membership, network, process, storage
 
     return {
         "kill_worker": process.kill_worker, "kill_node": process.kill_node,
         "freeze_worker": process.freeze_worker, "freeze_node": process.freeze_node,
         "kill_etcd_member": etcd.kill_member, "stop_etcd": etcd.stop_all,
         "corrupt_checkpoint": files.corrupt, "truncate_checkpoint": files.truncate,
-        "add_node": membership.add_node,
+        "add_node": membership.add_node, "partition_node": network.partition_node,
+        "storage_outage": storage.outage, "storage_slow": storage.slow,
     }
 
 

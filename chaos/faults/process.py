@@ -1,4 +1,4 @@
-"""Process faults: kill or freeze one worker, or a whole node (its agent and workers)."""
+"""Process faults: kill or freeze one worker, or a whole node (its agent and workers; a killed node may restart)."""
 
 from __future__ import annotations
 
@@ -9,35 +9,43 @@ import signal
 from ftrt.chaos.faults import Context, Injected
 
 
-def _worker_of(ctx: Context, node_id: str) -> tuple[int, int]:
-    """(rank, pid) of a running worker on ``node_id``, as its agent reports it."""
+def _worker_of(ctx: Context, target: str) -> tuple[str, int, int]:
+    """(node, rank, pid) of a running worker on ``target`` (``random``: on a node that has one)."""
     from ftrt.agents.status import collect_status
 
     st = asyncio.run(collect_status(ctx.etcd_endpoints, ctx.job_id, events=0))
-    workers = [w for w in st["workers"].get(node_id, []) if w.get("state") == "running" and w.get("pid")]
-    if not workers:
-        raise RuntimeError(f"{node_id} reports no running worker")
-    w = ctx.rng.choice(sorted(workers, key=lambda w: w["rank"]))
-    return w["rank"], w["pid"]
+    running = {n: [w for w in ws if w.get("state") == "running" and w.get("pid") and w.get("rank", -1) >= 0]
+               for n, ws in st["workers"].items()}
+    node = ctx.pick_node(target, among=[n for n, ws in running.items() if ws])
+    if not running.get(node):
+        raise RuntimeError(f"{node} reports no running worker")
+    w = ctx.rng.choice(sorted(running[node], key=lambda w: w["rank"]))
+    return node, w["rank"], w["pid"]
 
 
 def kill_worker(ctx: Context, fault) -> Injected:
-    node = ctx.pick_node(fault.target)
-    rank, pid = _worker_of(ctx, node)
+    node, rank, pid = _worker_of(ctx, fault.target)
     os.kill(pid, signal.SIGKILL)
     return Injected(node, detail=f"SIGKILL rank {rank} (pid {pid})")
 
 
 def kill_node(ctx: Context, fault) -> Injected:
+    """SIGKILL a node; with ``duration_s`` it starts again (same id, a new agent) after that long."""
     node = ctx.pick_node(fault.target)
     ctx.nodes[node].kill()
     ctx.killed.add(node)
-    return Injected(node, detail="SIGKILL agent and workers")
+    if fault.duration_s is None:
+        return Injected(node, detail="SIGKILL agent and workers")
+
+    def restart() -> None:
+        ctx.nodes[node] = ctx.start_node(node)
+        ctx.killed.discard(node)
+
+    return Injected(node, end=restart, detail=f"SIGKILL agent and workers; restarted after {fault.duration_s} s")
 
 
 def freeze_worker(ctx: Context, fault) -> Injected:
-    node = ctx.pick_node(fault.target)
-    rank, pid = _worker_of(ctx, node)
+    node, rank, pid = _worker_of(ctx, fault.target)
     os.kill(pid, signal.SIGSTOP)
 
     def thaw() -> None:

@@ -50,6 +50,8 @@ class CheckpointConfig(_Strict):
 
     url: str | None = Field("grpo-checkpoints", description="checkpoint URL (path, file://, s3://, "
                             "memory://); a run resumes from the newest checkpoint there; null: none")
+    storage_options: dict[str, Any] | None = Field(None, description="fsspec options for the URL "
+                                                   "(s3: key, secret, client_kwargs.endpoint_url, ...)")
     interval: int = Field(1, ge=1, description="steps between checkpoints written to storage")
     keep: int = Field(2, ge=1, description="committed checkpoints kept in storage")
     memory_every: int = Field(1, ge=0, description="steps between in-memory checkpoints under "

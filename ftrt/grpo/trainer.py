@@ -132,7 +132,8 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
         "model": model, "optim": opt,
         "trainer": {"step": 0, "frontier": 0, "redone": 0, "resumes": 0, "tokens": 0},
     }
-    ck = rt.checkpointer(cfg.checkpoint.url, keep=cfg.checkpoint.keep) if cfg.checkpoint.url else None
+    ck = rt.checkpointer(cfg.checkpoint.url, keep=cfg.checkpoint.keep,
+                         storage_options=cfg.checkpoint.storage_options) if cfg.checkpoint.url else None
     metrics = Metrics(cfg.metrics_path if rank == 0 else None)
     restored = ck.restore(state) if ck is not None else None
     tr = state["trainer"]
@@ -204,7 +205,8 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
         sums = _all_reduce(torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum],
                                         dtype=torch.float64), distributed)
         reward_sum, loss_total, kl_total = sums.tolist()
-        ids = [i for part in _gather(mine, distributed, world) for i in part]
+        parts = _gather((rt.node_id, mine), distributed, world)  # which node trained which prompts
+        ids = [i for _, part in parts for i in part]
         tr.update(step=step + 1, frontier=frontier + cfg.prompts_per_step, tokens=tr["tokens"] + int(total_tokens))
         dt = time.perf_counter() - t0
         reward_mean = reward_sum / max(total_seqs, 1.0)
@@ -213,7 +215,7 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
             "step": step, "reward_mean": reward_mean, "loss": loss_total,
             "kl": kl_total / max(total_tokens, 1.0), "world_size": world, "prompt_ids": ids,
             "tokens_per_s": total_tokens / dt, "time": time.time(), "step_s": dt,
-            "redone": tr["redone"], "resumes": tr["resumes"],
+            "redone": tr["redone"], "resumes": tr["resumes"], "nodes": sorted({n for n, _ in parts}),
         }
         metrics.append(record)
         bar.update(step + 1, reward_mean, total_tokens / dt, world)
@@ -222,7 +224,9 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
             persist = (step + 1) % cfg.checkpoint.interval == 0 or step + 1 == cfg.steps
             every = cfg.checkpoint.memory_every
             if persist or (ck.has_memory_tier and every and (step + 1) % every == 0):
-                pending = ck.save(step + 1, state, persist=persist)
+                # Slow storage must not slow training: a save that would queue behind an unfinished
+                # one is skipped (memory copy only); the final one always goes to storage.
+                pending = ck.save(step + 1, state, persist=persist, skip_if_busy=step + 1 < cfg.steps)
     bar.close()
     if ck is not None:
         ck.close()  # waits for the last save: the final state is committed before we report
@@ -241,7 +245,7 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     return summary
 
 
-def _gather(mine: list[int], distributed: bool, world: int) -> list[list[int]]:
+def _gather(mine: Any, distributed: bool, world: int) -> list[Any]:
     if not distributed:
         return [mine]
     parts: list[Any] = [None] * world

@@ -104,3 +104,74 @@ def test_a_broken_invariant_fails_the_run_with_a_reason(tmp_path):
     data = json.loads((tmp_path / "r" / "report.json").read_text())
     assert data["passed"] is False and data["invariants"]["recovered"]["ok"] is False
     assert "limit 0.001 s" in data["invariants"]["recovered"]["reason"]
+
+
+def test_storm_faults_are_reproducible_from_the_seed():
+    from ftrt.chaos.scenario import Storm, storm_faults
+
+    storm = Storm(mtbf_s=10, duration_s=120, kinds=["kill_worker", "kill_node", "freeze_worker"], down_s=7)
+    a, b, c = storm_faults(storm, 1), storm_faults(storm, 1), storm_faults(storm, 2)
+    assert a == b and a != c
+    assert all(storm.start_s < f.at_s <= 120 for f in a) and [f.at_s for f in a] == sorted(f.at_s for f in a)
+    assert 5 <= len(a) <= 25  # ~11.5 expected
+    assert all((f.duration_s == 7) == (f.kind != "kill_worker") for f in a)  # a killed node comes back
+
+
+@pytest.mark.parametrize("body, message", [
+    ("name: x\ndescription: y\nfaults: [{kind: partition_node, at_step: 1, duration_s: 2}]\n", "needs cluster.netns"),
+    ("name: x\ndescription: y\nfaults: [{kind: storage_outage, at_step: 1, duration_s: 2}]\n", "needs cluster.storage: s3"),
+    ("name: x\ndescription: y\ncluster: {storage: s3}\nfaults: [{kind: corrupt_checkpoint, at_step: 1}]\n",
+     "needs cluster.storage: local"),
+    ("name: x\ndescription: y\nstorm: {mtbf_s: 5, duration_s: 30, kinds: [add_node]}\n", "storm.kinds: add_node cannot be drawn"),
+    ("name: x\ndescription: y\nstorm: {mtbf_s: 5, duration_s: 3}\n", "must exceed storm.start_s"),
+])
+def test_faults_the_cluster_cannot_take_are_rejected(tmp_path, body, message):
+    f = tmp_path / "bad.yaml"
+    f.write_text(body)
+    with pytest.raises(ConfigError, match=message):
+        load_scenario(f)
+
+
+def test_storm_command_rejects_an_unknown_kind_naming_it():
+    res = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "chaos", "storm", "--mtbf", "5", "--duration",
+                          "30", "--kinds", "kill_worker,meteor"], capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "meteor" in res.stderr and "storm" in res.stderr
+
+
+def test_a_partition_cuts_a_node_off_and_healing_restores_it():
+    """The network injector's mechanism on real namespaces: TCP to etcd's address fails, then works again."""
+    from ftrt.chaos.netns import NetLab, unavailable
+
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    probe = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.5).close()"
+    import socket
+
+    with NetLab(2) as lab, socket.socket() as server:
+        server.bind((lab.host_ip, 0))
+        server.listen(8)
+        port = str(server.getsockname()[1])
+
+        def reach(i: int) -> bool:
+            return subprocess.run(lab.wrap(i, [sys.executable, "-c", probe, lab.host_ip, port]),
+                                  capture_output=True, timeout=30).returncode == 0
+
+        assert reach(0) and reach(1)
+        lab.partition(1)
+        assert reach(0) and not reach(1)
+        lab.heal(1)
+        assert reach(1)
+    assert lab.bridge not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+
+
+def test_recovery_is_measured_to_the_end_of_the_longest_stall_after_the_fault():
+    from ftrt.chaos.runner import recovery_time
+
+    ends = [1.0, 1.1, 1.2, 1.25, 7.5, 7.6, 7.7]
+    # A step that ends right after the fault (the victim had sent its part) is not the recovery.
+    assert recovery_time(1.15, ends, window_end=40) == pytest.approx(6.35)
+    # A stall across the next fault's injection belongs to that fault.
+    assert recovery_time(0.95, [1.0, 1.1, 1.4, 9.0, 9.1], window_end=5, next_fault=True) == pytest.approx(0.45)
+    # A stall still open at the window's end counts up to the first step after it.
+    assert recovery_time(1.0, [1.05, 60.0], window_end=30) == pytest.approx(59.0)
+    assert recovery_time(2.0, [1.0], window_end=30) is None

@@ -16,7 +16,7 @@ import torch
 
 from ftrt.checkpoint import Checkpointer
 from ftrt.checkpoint.storage import list_steps, parse_url, step_dir
-from ftrt.errors import CheckpointCorrupt, CheckpointSaveFailed, ConfigError
+from ftrt.errors import CheckpointCorrupt, CheckpointSaveFailed, CheckpointUnavailable, ConfigError
 
 
 def make_state(seed: int = 0) -> dict:
@@ -255,3 +255,45 @@ def test_s3_outage_during_save_fails_cleanly_and_the_next_save_succeeds(s3):
         assert ck.restore(dst) == 3
     loc = parse_url(url, opts)
     assert not loc.fs.exists(loc.path(step_dir(2), "manifest.json"))
+
+
+def test_skip_if_busy_never_queues_behind_a_slow_storage_save(s3):
+    """Slow storage: a save that would queue behind an unfinished one is skipped, not waited for."""
+    url, opts, proxy = s3
+    src = make_state()
+    with Checkpointer(url, storage_options=opts, staging_slots=1) as ck:
+        proxy.slow(0.3)  # every forwarded chunk +0.3 s: the first save takes seconds
+        first = ck.save(1, src, skip_if_busy=True)
+        first.wait_staged()
+        assert not first.skipped and not first.done()
+        second = ck.save(2, src, skip_if_busy=True)  # with one slot, queueing would block here
+        assert second.skipped and second.done() and ck.skipped_saves == 1
+        proxy.restore()
+        first.wait(120)
+        third = ck.save(3, src, skip_if_busy=True)  # storage idle again: saved as usual
+        third.wait(120)
+        assert not third.skipped
+        dst = fresh_state()
+        assert ck.restore(dst) == 3
+    loc = parse_url(url, opts)
+    assert not loc.fs.exists(loc.path(step_dir(2)))
+
+
+def test_restore_during_a_storage_outage_uses_memory_or_says_storage_is_unreachable(s3, tmp_path):
+    """Storage down at restore: the memory tier stands in; without one, a clear error (no crash in s3fs)."""
+    url, opts, proxy = s3
+    src = make_state()
+    mem = tmp_path / "mem"
+    with Checkpointer(url, storage_options=opts, mem_dir=str(mem)) as ck:
+        ck.save(5, src).wait(120)
+    proxy.cut()
+    try:
+        with Checkpointer(url, storage_options=opts, mem_dir=str(mem)) as ck:
+            dst = fresh_state()
+            assert ck.restore(dst) == 5 and ck.last_restore_tier == "memory"
+        assert same_params(src["model"], dst["model"])
+        with Checkpointer(url, storage_options=opts) as ck:
+            with pytest.raises(CheckpointUnavailable, match="Check that the storage is reachable"):
+                ck.restore(fresh_state())
+    finally:
+        proxy.restore()
