@@ -1,4 +1,4 @@
-"""``python -m bench NAME [options]``: run one benchmark (``recovery``, ``ckpt_stall``, ``restore``, ``rollout``), or ``all``."""
+"""``python -m bench NAME [options]``: run one benchmark (``recovery``, ``ckpt_stall``, ``restore``, ``rollout``, ``rdzv_scale``), or ``all``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    names = {"recovery": "bench.recovery", "ckpt_stall": "bench.ckpt_stall", "restore": "bench.restore", "rollout": "bench.rollout"}
+    names = {"recovery": "bench.recovery", "ckpt_stall": "bench.ckpt_stall", "restore": "bench.restore", "rollout": "bench.rollout",
+             "rdzv_scale": "bench.rdzv_scale"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*names, "all"):
         print(f"usage: python -m bench {{{','.join(names)},all}} [options]")
         return 0 if argv and argv[0] in ("-h", "--help") else 2

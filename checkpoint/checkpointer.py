@@ -193,15 +193,15 @@ class Checkpointer:
         """True when saves also go to the node's memory tier (``save(..., persist=False)`` works)."""
         return self._arena is not None
 
-    def _any_rank(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on any (a collective on the vote group)."""
+    def _any_rank(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag, true on every rank when it is true on any (one collective on the vote group)."""
         if not self.distributed:
-            return flag
+            return tuple(flags)
         import torch
 
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._vote_pg)
-        return bool(t.item())
+        return tuple(bool(v) for v in t.tolist())
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
@@ -228,8 +228,9 @@ class Checkpointer:
         ``skip_if_busy=True``: when an earlier storage save is still running on any rank (slow or
         failing storage), this one does not queue behind it, which would soon make training wait
         for a staging slot; it is a memory checkpoint only (with a memory tier) or skipped
-        (``handle.skipped``). Every rank must pass the same value: the ranks agree with one small
-        collective, so all of them skip or none does.
+        (``handle.skipped``). A memory checkpoint whose slot is still being written to storage is
+        skipped too (the newest complete one stays). Every rank must pass the same value: the ranks
+        agree with one small collective, so all of them skip or none does.
         """
         if self._closed:
             raise ConfigError("This Checkpointer is closed; create a new one to save again.")
@@ -237,15 +238,22 @@ class Checkpointer:
             raise ConfigError(f"The checkpoint step must be an int >= 0, got {step!r}.")
         if not persist and self._arena is None:
             raise ConfigError("save(persist=False) needs a memory tier (mem_dir, set under ftrt launch).")
-        if persist and skip_if_busy and self._any_rank(any(h.persisting and not h.done() for h in self._pending)):
-            log.info("checkpoint step %d: an earlier save is still writing to storage; %s", step,
-                     "memory copy only" if self._arena is not None else "skipped")
-            self.skipped_saves += 1
-            if self._arena is None:
-                return SaveHandle.skipped_at(step)
-            persist = False
-        sd = self._stager.snapshot_plain(st.to_dcp(state))
         avoid = self._arena.current_slot() if self._arena is not None else None
+        if skip_if_busy:
+            writing = persist and any(h.persisting and not h.done() for h in self._pending)
+            writing, no_slot = self._any_rank(writing, not self._stager.has_free(avoid))
+            if writing:
+                log.info("checkpoint step %d: an earlier save is still writing to storage; %s", step,
+                         "memory copy only" if self._arena is not None else "skipped")
+                self.skipped_saves += 1
+                if self._arena is None:
+                    return SaveHandle.skipped_at(step)
+                persist = False
+            if not persist and no_slot:  # every other slot holds a save still being written
+                log.info("checkpoint step %d: no free memory slot while storage is busy; skipped", step)
+                self.skipped_saves += 1
+                return SaveHandle.skipped_at(step)
+        sd = self._stager.snapshot_plain(st.to_dcp(state))
         slot = self._stager.acquire(avoid=avoid)
         handle = SaveHandle(step)
         handle.persisting = persist

@@ -56,6 +56,11 @@ class Stager:
                     return slot
                 self._cond.wait()
 
+    def has_free(self, avoid: int | None = None) -> bool:
+        """Whether :meth:`acquire` with ``avoid`` would return at once."""
+        with self._cond:
+            return bool([s for s in self._free if s != avoid] if len(self._buffers) > 1 else self._free)
+
     def prewarm(self) -> None:
         """Give every free, still-empty slot buffers shaped like a used slot's, paged in.
 

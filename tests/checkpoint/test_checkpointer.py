@@ -297,3 +297,22 @@ def test_restore_during_a_storage_outage_uses_memory_or_says_storage_is_unreacha
                 ck.restore(fresh_state())
     finally:
         proxy.restore()
+
+
+def test_skip_if_busy_skips_a_memory_checkpoint_whose_slot_is_still_being_written(s3, tmp_path):
+    """Memory checkpoints every step while a slow storage save holds the other slot: skipped, never waited for."""
+    url, opts, proxy = s3
+    src = make_state()
+    with Checkpointer(url, storage_options=opts, mem_dir=str(tmp_path / "mem")) as ck:
+        proxy.slow(0.3)
+        first = ck.save(1, src, skip_if_busy=True)  # to storage (slow) from one slot
+        first.wait_staged()
+        second = ck.save(2, src, persist=False, skip_if_busy=True)  # the other slot: fine
+        second.wait()
+        assert not second.skipped
+        third = ck.save(3, src, persist=False, skip_if_busy=True)  # would overwrite step 2 or wait for step 1
+        assert third.skipped and third.done() and not first.done()
+        proxy.restore()
+        first.wait(120)
+    with Checkpointer(url, storage_options=opts, mem_dir=str(tmp_path / "mem")) as ck:
+        assert ck.restore(fresh_state()) == 2 and ck.last_restore_tier == "memory"
