@@ -101,9 +101,6 @@ class SimNode:
             await self.session.close()
         await self.store.close()
 
-    async def close(self) -> None:
-        await self.die()
-
 
 async def _main(args: argparse.Namespace) -> int:
     lo, _, hi = args.nodes.partition(":")
@@ -134,7 +131,7 @@ async def _main(args: argparse.Namespace) -> int:
             t = time.time()
             await alive.pop(arg).die()
             emit({"event": "killed", "node": arg, "t": t})
-    await asyncio.gather(*(n.close() for n in alive.values()), return_exceptions=True)
+    await asyncio.gather(*(n.die() for n in alive.values()), return_exceptions=True)
     return 0
 
 

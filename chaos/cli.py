@@ -59,17 +59,15 @@ def chaos_main(argv: list[str]) -> int:
 
 def storm_scenario(args: argparse.Namespace):
     """The scenario ``ftrt chaos storm`` runs, validated like a file."""
-    from pydantic import ValidationError
+    import yaml
 
-    from ftrt.chaos.scenario import Scenario
+    from ftrt.chaos.scenario import validate
 
     job = dict(STORM_JOB)
     for item in args.overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"Job option {item!r} is not KEY=VALUE (e.g. group_size=8).")
-        import yaml
-
         job[key] = yaml.safe_load(value) if value else ""
     steps = args.steps or max(200, int(args.duration / 0.15))
     data = {
@@ -83,12 +81,7 @@ def storm_scenario(args: argparse.Namespace):
         "expect": {"max_recovery_s": args.max_recovery, "equivalence": "ledger"},
         "timeout_s": max(600.0, args.duration * 4),
     }
-    try:
-        return Scenario.model_validate(data)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: "
-                             f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
-        raise ConfigError(f"Invalid storm options: {problems}.") from None
+    return validate(data, "storm options")
 
 
 def run_scenarios(scenarios: list, report_dir: Path, seed: int) -> int:

@@ -181,7 +181,8 @@ class ChaosRun:
             for node in nodes.values():
                 if node.alive():
                     res.pids.update(node.tree())
-            for f in list(pending):
+            # a fault after the last step would test nothing: it stays pending (reported as not injected)
+            for f in list(pending) if last_step < self.sc.steps - 1 else []:
                 due = (f.at_step is not None and last_step >= f.at_step) or \
                       (f.at_s is not None and res.t_first is not None and since >= f.at_s)
                 if not due:
@@ -311,17 +312,19 @@ class JobResult:
     checkpoints: tuple[bool, str] = (False, "not checked")
 
 
-def recovery_time(at: float, step_ends: list[float], window_end: float, next_fault: bool = False) -> float | None:
-    """Seconds from a fault at ``at`` to the end of the step that closes the longest stall after it.
+def recovery_time(at: float, step_ends: list[float], window_end: float, next_fault: bool = False,
+                  lead: float = 1.0) -> float | None:
+    """Seconds from a fault at ``at`` to the end of the longest stall it caused.
 
-    ``step_ends`` are the times committed steps ended (sorted); the stall is the longest gap
-    between ``at`` (or a step end after it) and the next step end, among the ends up to
-    ``window_end`` plus the first one after it (a stall still open at the end of the window is
-    this fault's) unless ``next_fault`` says the window ends because another fault came then
-    (a stall across that is the other fault's). Taking the longest gap, not the first step that
-    ended, keeps a step the victim had already contributed to from passing for a recovery (a
-    frozen worker can have sent its part of the next step before it stopped). None: no step
-    ended after the fault.
+    ``step_ends`` are the times committed steps ended (sorted). A stall is a gap between ``at``
+    (or a step end) and the next step end; the fault's is the longest one that starts within
+    ``lead`` seconds of ``at`` (a fault stalls training at once or not at all; a jitter seconds
+    later is not its doing), among the ends up to ``window_end`` plus the first one after it (a
+    stall still open at the end of the window is this fault's) unless ``next_fault`` says the
+    window ends because another fault came then. Taking the longest such gap, not the first step
+    that ended, keeps a step the victim had already contributed to from passing for a recovery (a
+    frozen worker can have sent its part of the next step before it stopped). None: no step ended
+    after the fault.
     """
     after = [t for t in step_ends if t > at]
     if not after:
@@ -330,6 +333,8 @@ def recovery_time(at: float, step_ends: list[float], window_end: float, next_fau
     ends = inside if inside and next_fault else inside + after[len(inside):len(inside) + 1]
     prev, best, closing = at, -1.0, ends[0]
     for t in ends:
+        if prev > at + lead:
+            break
         if t - prev > best:
             best, closing = t - prev, t
         prev = t

@@ -175,6 +175,11 @@ def load_scenario(path: str | Path) -> Scenario:
         raise ConfigError(f"The scenario {path} is not valid YAML: {exc}.") from None
     if not isinstance(data, dict):
         raise ConfigError(f"The scenario {path} must be a mapping of fields.")
+    return validate(data, f"scenario {path}")
+
+
+def validate(data: dict, what: str) -> Scenario:
+    """A :class:`Scenario` from ``data``; :class:`ConfigError` names ``what`` and every bad field with its value."""
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
@@ -186,7 +191,7 @@ def load_scenario(path: str | Path) -> Scenario:
                 problems.append(f"unknown field {field!r}")
             else:
                 problems.append(f"field {field!r} = {err.get('input')!r}: {msg}")
-        raise ConfigError(f"Invalid scenario {path}: " + "; ".join(problems) + ". See docs/chaos.md.") from None
+        raise ConfigError(f"Invalid {what}: " + "; ".join(problems) + ". See docs/chaos.md.") from None
 
 
 def builtin_dir() -> Path:

@@ -35,7 +35,7 @@ def test_sim_nodes_agree_on_one_round_and_shrink_when_one_dies(etcd_endpoint, jo
         await until(lambda: len(shrunk()) == 11)
         assert "sim5" not in {e["node"] for e in shrunk()}
         assert sorted(r for e in shrunk() for r in e["ranks"]) == list(range(11))
-        await asyncio.gather(*(n.close() for i, n in enumerate(nodes) if i != 5))
+        await asyncio.gather(*(n.die() for i, n in enumerate(nodes) if i != 5))
 
     asyncio.run(go())
 

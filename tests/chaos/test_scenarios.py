@@ -175,3 +175,6 @@ def test_recovery_is_measured_to_the_end_of_the_longest_stall_after_the_fault():
     # A stall still open at the window's end counts up to the first step after it.
     assert recovery_time(1.0, [1.05, 60.0], window_end=30) == pytest.approx(59.0)
     assert recovery_time(2.0, [1.0], window_end=30) is None
+    # A fault that does not stall training: a jitter seconds later is not its recovery.
+    steady = [1.0 + 0.1 * i for i in range(60)] + [7.4, 7.5]
+    assert recovery_time(1.02, steady, window_end=20) < 1.2  # within the lead, not 6.4 s later
