@@ -109,7 +109,10 @@ class Checkpointer:
             ``client_kwargs={"endpoint_url": ...}``); the usual environment variables work too.
         process_group: ranks taking part (default: the whole world if torch.distributed is
             initialised, else this process alone). Must be created on every rank alike.
-        staging_slots: staged copies that may wait for persistence at once (host memory bound).
+        staging_slots: staged copies that may wait for persistence at once (host memory bound);
+            default 2, or 3 with a memory tier: the newest memory checkpoint, the next one being
+            written, and one still being persisted to storage, so that memory checkpoints every
+            step never wait for (or skip because of) a storage save.
         retries: attempts after the first when persisting fails.
         thread_count: DCP writer threads per rank.
         on_commit: called as ``on_commit(step)`` on rank 0 after a manifest is written (the
@@ -132,7 +135,7 @@ class Checkpointer:
         storage_options: dict | None = None,
         *,
         process_group: Any = None,
-        staging_slots: int = 2,
+        staging_slots: int | None = None,
         retries: int = 3,
         retry_backoff: float = 0.5,
         thread_count: int = 2,
@@ -166,7 +169,7 @@ class Checkpointer:
             self._vote_pg = dist.new_group(ranks=ranks, backend="gloo")
         else:
             self.rank, self.world, self._pg, self._vote_pg = 0, 1, None, None
-        self._stager = Stager(staging_slots)
+        self._stager = Stager(staging_slots or (3 if mem_dir else 2))
         self._stage_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftrt-ckpt-stage")
         # Persistence and deletion are background work: their threads run at a lower CPU priority
         # so that on a busy host they take what the training loop leaves.

@@ -10,7 +10,8 @@ removed when it exits)::
 
 Staging writes straight into an arena slot (the staging buffers *are* the arena), then
 ``current.json`` is replaced atomically: a worker that dies mid-copy leaves the previous complete
-checkpoint in place. Two slots alternate, so the newest complete one is never overwritten.
+checkpoint in place. Slots rotate (the checkpointer stages into any slot but the current one, and
+one may be held by a save still going to storage), so the newest complete one is never overwritten.
 
 An index records, per tensor, its place in the arena and, for DTensors, the global shape and the
 offset of this rank's chunk. Restore therefore needs no DCP: for every tensor of the new world it

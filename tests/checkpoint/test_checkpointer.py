@@ -303,7 +303,7 @@ def test_skip_if_busy_skips_a_memory_checkpoint_whose_slot_is_still_being_writte
     """Memory checkpoints every step while a slow storage save holds the other slot: skipped, never waited for."""
     url, opts, proxy = s3
     src = make_state()
-    with Checkpointer(url, storage_options=opts, mem_dir=str(tmp_path / "mem")) as ck:
+    with Checkpointer(url, storage_options=opts, mem_dir=str(tmp_path / "mem"), staging_slots=2) as ck:
         proxy.slow(0.3)
         first = ck.save(1, src, skip_if_busy=True)  # to storage (slow) from one slot
         first.wait_staged()
@@ -316,3 +316,22 @@ def test_skip_if_busy_skips_a_memory_checkpoint_whose_slot_is_still_being_writte
         first.wait(120)
     with Checkpointer(url, storage_options=opts, mem_dir=str(tmp_path / "mem")) as ck:
         assert ck.restore(fresh_state()) == 2 and ck.last_restore_tier == "memory"
+
+
+def test_with_a_memory_tier_memory_checkpoints_go_on_during_a_slow_storage_save(s3, tmp_path):
+    """The default third slot: every step's memory checkpoint lands while storage is still busy."""
+    url, opts, proxy = s3
+    src = make_state()
+    with Checkpointer(url, storage_options=opts, mem_dir=str(tmp_path / "mem")) as ck:
+        proxy.slow(0.3)
+        first = ck.save(1, src, skip_if_busy=True)
+        first.wait_staged()
+        for step in range(2, 6):
+            h = ck.save(step, src, persist=False, skip_if_busy=True)
+            h.wait()
+            assert not h.skipped
+        assert not first.done() and ck.skipped_saves == 0
+        proxy.restore()
+        first.wait(120)
+    with Checkpointer(url, storage_options=opts, mem_dir=str(tmp_path / "mem")) as ck:
+        assert ck.restore(fresh_state()) == 5 and ck.last_restore_tier == "memory"
