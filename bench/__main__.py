@@ -1,24 +1,54 @@
-"""``python -m bench NAME [options]``: run one benchmark (``recovery``, ``ckpt_stall``, ``restore``, ``rollout``, ``rdzv_scale``), or ``all``."""
+"""``python -m bench NAME [options]``: run one benchmark, or ``all`` (the set that fits in ~15 minutes).
+
+``all`` runs each benchmark with smaller settings than its own defaults (fewer repeats, shorter
+schedules; listed in :data:`QUICK`), so the whole set takes about 15 minutes on 2 cores. The
+numbers in docs/benchmarks.md come from each benchmark's full settings, with the command beside
+them.
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
+import time
+
+NAMES = {
+    "rdzv_scale": "bench.rdzv_scale", "overhead": "bench.overhead", "goodput": "bench.goodput",
+    "recovery": "bench.recovery", "ckpt_stall": "bench.ckpt_stall", "restore": "bench.restore",
+    "rollout": "bench.rollout",
+}
+QUICK: dict[str, list[str]] = {
+    "rdzv_scale": ["--sizes", "16,64,256", "--torchrun-sizes", "16,64", "--c10d", "best", "--cap", "30"],
+    "overhead": ["--reps", "2", "--steps", "150"],
+    "goodput": ["--duration", "150", "--plot", "bench/results/goodput-quick.png"],
+    "recovery": ["--reps", "1", "--scenario", "node_loss", "--scenario", "node_join", "--no-torchrun-defaults"],
+    "ckpt_stall": ["--gib", "0.25", "--steps", "45"],
+    "restore": ["--gib", "0.25"],
+    "rollout": ["--repeats", "5"],
+}
+"""Each benchmark's settings in ``all``."""
 
 
 def main(argv: list[str]) -> int:
-    names = {"recovery": "bench.recovery", "ckpt_stall": "bench.ckpt_stall", "restore": "bench.restore", "rollout": "bench.rollout",
-             "rdzv_scale": "bench.rdzv_scale"}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*names, "all"):
-        print(f"usage: python -m bench {{{','.join(names)},all}} [options]")
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*NAMES, "all"):
+        print(__doc__.splitlines()[0].replace("``", ""))
+        print(f"usage: python -m bench {{{','.join(NAMES)},all}} [options]  (NAME --help: its options)")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    import importlib
-
-    targets = list(names) if argv[0] == "all" else [argv[0]]
-    for name in targets:
-        code = importlib.import_module(names[name]).main(argv[1:] if name == argv[0] else [])
+    if argv[0] != "all":
+        return importlib.import_module(NAMES[argv[0]]).main(argv[1:])
+    failed, t0 = [], time.time()
+    for name, args in QUICK.items():
+        print(f"\n=== python -m bench {name} {' '.join(args)}  ({(time.time() - t0) / 60:.1f} min so far)", flush=True)
+        try:
+            code = importlib.import_module(NAMES[name]).main(args)
+        except Exception as exc:  # noqa: BLE001 - one benchmark failing must not hide the others' numbers
+            print(f"bench {name} failed: {type(exc).__name__}: {exc}", flush=True)
+            code = 1
         if code:
-            return code
-    return 0
+            failed.append(name)
+    print(f"\nall: {len(QUICK) - len(failed)} of {len(QUICK)} benchmarks ran in {(time.time() - t0) / 60:.1f} min"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -50,8 +50,9 @@ class Cluster:
     """Nodes of one system (ftrt or torchrun) sharing a step log."""
 
     def __init__(self, system: str, work: Path, *, nnodes: str = "2:3", torchrun_conf: str = TORCHRUN_BEST,
-                 workload: str = "ddp"):
+                 workload: str = "ddp", max_restarts: int = 10):
         self.system = system
+        self.max_restarts = max_restarts
         self.workload = workload
         self.work = work
         self.nnodes = nnodes
@@ -82,7 +83,7 @@ class Cluster:
         if self.system == "ftrt":
             node = LocalNode(self.work, node_id, [
                 "--etcd", self._etcd.endpoint, "--job-id", "bench", "--nnodes", self.nnodes,
-                "--lease-ttl", "2", "--max-restarts", "10",
+                "--lease-ttl", "2", "--max-restarts", str(self.max_restarts),
                 # The plain workload never imports torch._dynamo, so spares need not either.
                 *(["--warm-import", "torch", "--warm-import", "torch.distributed"] if self.workload == "plain" else []),
                 *script,
@@ -93,7 +94,7 @@ class Cluster:
                 "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{self._port}", "--rdzv-id", "bench",
                 "--rdzv-conf", ",".join(filter(None, [self.torchrun_conf, f"is_host={not self.nodes}".lower()])),
-                "--max-restarts", "10", "--monitor-interval", "0.1", *script,
+                "--max-restarts", str(self.max_restarts), "--monitor-interval", "0.1", *script,
             ])
         self.nodes[node_id] = node.start()
         return node

@@ -1,0 +1,170 @@
+"""Goodput under a node-loss schedule: GRPO under ftrt beside torchrun with DCP checkpoints.
+
+The job is the built-in GRPO trainer (``python -m ftrt.grpo``) on 3 simulated nodes of 1 worker,
+``--nnodes 2:3``. Once it trains, a node is SIGKILLed (agent and workers, like a machine dying)
+every ``--every`` seconds and started again ``--down`` seconds later (its replacement rejoins);
+the victims alternate between the two nodes that do not host torchrun's rendezvous store (killing
+that one ends a torchrun job for good; ftrt has no such node, but both get the same schedule).
+
+- ftrt: ``ftrt launch`` agents on a local etcd; a checkpoint in memory (replicated to a peer)
+  every step and to local disk every ``--ckpt-every`` steps.
+- torchrun: c10d rendezvous at its best settings (``python -m bench recovery`` explains them);
+  the trainer's checkpointer without a memory tier, i.e. a DCP checkpoint (staged and written in
+  the background, committed atomically) to local disk every ``--ckpt-every`` steps. A restart
+  resumes from the last one.
+
+Goodput = productive step time / wall time, from the first step to the end of the schedule.
+Productive step time is the summed duration of the steps that stand at the end: a step a restart
+threw away (trained after the last checkpoint and redone) counts as lost, as does every stall.
+Per fault the table gives the longest pause in training after the kill and after the rejoin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from bench.recovery import Cluster
+from ftrt.chaos.local import read_jsonl, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMS = ("ftrt", "torchrun")
+GRPO = {
+    "prompts_per_step": 32, "group_size": 8, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
+    "progress": "none", "steps": 1_000_000,
+}
+"""The job: the default task on a small policy, ~0.3 s a step at world size 3 on 2 cores."""
+VICTIMS = ("n1", "n2")
+
+
+def run_one(system: str, *, duration: float, every: float, down: float, ckpt_every: int, log=print) -> dict:
+    """Run the schedule once for ``system``; return its goodput, faults and step timeline."""
+    work = Path(tempfile.mkdtemp(prefix=f"bench-goodput-{system}-"))
+    metrics = work / "metrics.jsonl"
+    overrides = {**GRPO, "metrics_path": str(metrics), "checkpoint.url": str(work / "ckpt"),
+                 "checkpoint.interval": ckpt_every, "checkpoint.keep": 2}
+    script = ["-m", "ftrt.grpo", *(f"{k}={v}" for k, v in overrides.items())]
+    c = Cluster(system, work, nnodes="2:3", max_restarts=1000)
+    faults: list[dict] = []
+    try:
+        for name in ("n0", "n1", "n2"):
+            c.add(name, script)
+        wait_until(lambda: len(read_jsonl(metrics)) >= 3, 300, f"{system}'s job to train")
+        wait_until(lambda: all(n.spares_warm() for n in c.nodes.values()) if system == "ftrt" else True,
+                   120, "spare workers to be warm")
+        first = read_jsonl(metrics)[0]
+        t_first = first["time"] - first["step_s"]
+        t_end = t_first + duration
+        kills = [t_first + every * k for k in range(1, int(duration // every) + 1) if every * k + down < duration]
+        pending_restart: tuple[float, str] | None = None
+        while time.time() < t_end:
+            now = time.time()
+            if kills and now >= kills[0]:
+                kills.pop(0)
+                victim = VICTIMS[len(faults) % len(VICTIMS)]
+                t = c.nodes[victim].kill()
+                c.nodes[victim].cleanup()
+                faults.append({"node": victim, "killed_at": round(t - t_first, 3)})
+                log(f"[goodput] {system}: {t - t_first:6.1f} s  killed {victim}")
+                pending_restart = (t + down, victim)
+            if pending_restart and now >= pending_restart[0]:
+                victim = pending_restart[1]
+                c.add(victim, script)
+                faults[-1]["restarted_at"] = round(time.time() - t_first, 3)
+                log(f"[goodput] {system}: {time.time() - t_first:6.1f} s  restarted {victim}")
+                pending_restart = None
+            time.sleep(0.05)
+        lines = [x for x in read_jsonl(metrics) if x["time"] <= t_end]
+    finally:
+        c.close()
+        shutil.rmtree(work, ignore_errors=True)
+    return summarize(system, lines, faults, t_first, duration, ckpt_every)
+
+
+def summarize(system: str, lines: list[dict], faults: list[dict], t_first: float, duration: float,
+              ckpt_every: int) -> dict:
+    """Goodput and per-fault pauses from the steps that stand (times relative to the first step)."""
+    ends = [x["time"] - t_first for x in lines]
+    productive = sum(x["step_s"] for x in lines)
+    marks = [f["killed_at"] for f in faults] + [duration]
+    for i, f in enumerate(faults):
+        f["pause_after_kill_s"] = round(_longest_gap(ends, f["killed_at"], f.get("restarted_at", marks[i + 1])), 3)
+        if "restarted_at" in f:
+            f["pause_after_rejoin_s"] = round(_longest_gap(ends, f["restarted_at"], marks[i + 1]), 3)
+    steady = [x["step_s"] for t, x in zip(ends, lines) if t < marks[0]][5:] or [x["step_s"] for x in lines]
+    return {
+        "system": system, "goodput": round(productive / duration, 4), "productive_s": round(productive, 1),
+        "wall_s": duration, "steps": len(lines), "redone": lines[-1]["redone"] if lines else 0,
+        "resumes": lines[-1]["resumes"] if lines else 0, "ckpt_every": ckpt_every,
+        "median_step_s": round(sorted(steady)[len(steady) // 2], 4) if steady else None,
+        "faults": faults,
+        "timeline": [[round(t, 2), x["step"], x["world_size"]] for t, x in zip(ends, lines)],
+    }
+
+
+def _longest_gap(ends: list[float], t0: float, t1: float) -> float:
+    """The longest stretch in [t0, t1] without a step end (from the fault until training resumes)."""
+    points = [t0, *(t for t in ends if t0 < t <= t1), t1]
+    return max(b - a for a, b in zip(points, points[1:]))
+
+
+def render(rows: list[dict]) -> str:
+    lines = [f"{'system':<10}{'goodput':>9}{'steps':>7}{'redone':>8}{'step (median)':>15}"
+             f"{'pause after kill':>18}{'after rejoin':>14}"]
+    for r in rows:
+        kill = [f["pause_after_kill_s"] for f in r["faults"]]
+        rejoin = [f["pause_after_rejoin_s"] for f in r["faults"] if "pause_after_rejoin_s" in f]
+        med = (lambda v: f"{sorted(v)[len(v) // 2]:.2f} s" if v else "-")
+        lines.append(f"{r['system']:<10}{r['goodput']:>9.1%}{r['steps']:>7}{r['redone']:>8}"
+                     f"{r['median_step_s']:>13.3f} s{med(kill):>18}{med(rejoin):>14}")
+    by = {r["system"]: r for r in rows}
+    if "ftrt" in by and "torchrun" in by and by["torchrun"]["goodput"]:
+        lines.append(f"ftrt / torchrun goodput: {by['ftrt']['goodput'] / by['torchrun']['goodput']:.2f}x; "
+                     f"steps trained: {by['ftrt']['steps']} vs {by['torchrun']['steps']} "
+                     f"({by['ftrt']['steps'] / max(by['torchrun']['steps'], 1):.2f}x)")
+    lines.append("(pauses: median over the faults of the longest stretch without a step after the kill, "
+                 "and after the node restarted)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench goodput", description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of training per system (default 300)")
+    p.add_argument("--every", type=float, default=60.0, help="seconds between node kills (default 60)")
+    p.add_argument("--down", type=float, default=10.0, help="seconds a killed node stays down (default 10)")
+    p.add_argument("--ckpt-every", type=int, default=10, help="steps between storage checkpoints (default 10)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="ftrt, torchrun or both (default)")
+    p.add_argument("--plot", default=None, help="write a PNG of steps and world size over time here")
+    p.add_argument("--out", default=None, help="JSON result path (default bench/results/goodput-<time>.json)")
+    args = p.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        p.error(f"--systems names {unknown}; choose from {list(SYSTEMS)}")
+    if args.every <= args.down:
+        p.error(f"--every ({args.every}) must exceed --down ({args.down}): a node is restarted before the next kill")
+    t0 = time.time()
+    rows = []
+    for system in systems:
+        r = run_one(system, duration=args.duration, every=args.every, down=args.down, ckpt_every=args.ckpt_every)
+        print(json.dumps({k: v for k, v in r.items() if k != "timeline"}), flush=True)
+        rows.append(r)
+    res = {"rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} cores",
+           "command": "python -m bench goodput " + " ".join(argv), "grpo": GRPO, "wall_s": round(time.time() - t0)}
+    path = Path(args.out or ROOT / "bench" / "results" / f"goodput-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    if args.plot:
+        from bench.plots import goodput_png
+
+        goodput_png(rows, args.plot)
+        print(f"wrote {args.plot}")
+    print()
+    print(render(rows))
+    print(f"\nwrote {path}")
+    return 0

@@ -1,0 +1,131 @@
+"""Steady-state overhead: the same GRPO job without faults under torchrun and under ``ftrt launch``.
+
+Both run the built-in GRPO trainer (the goodput bench's job) on 2 simulated nodes of 1 worker,
+with a checkpoint to local disk every ``--ckpt-every`` steps. Under ``ftrt launch`` the job also
+has everything ftrt adds in steady state: agents with etcd leases and heartbeats, warm spare
+workers, and a checkpoint in memory (replicated to the peer node) after every step. torchrun runs
+c10d at the settings ``python -m bench recovery`` gives it.
+
+Step time is the wall time per step once warm: (end of the last step - end of step ``--warmup``)
+/ steps in between, so whatever happens between steps (checkpoint saves, heartbeats) counts.
+Runs alternate between the systems (the order flips each repeat), so drift in the machine's
+speed falls on both; the ratio is ftrt's step time over torchrun's, per pair and overall.
+``ftrt-nomem`` (ftrt without the memory tier) can be added to split the memory tier's share from
+the agents'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.goodput import GRPO
+from bench.recovery import Cluster
+from ftrt.chaos.local import read_jsonl, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMS = ("torchrun", "ftrt", "ftrt-nomem")
+
+
+def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int) -> dict:
+    """Train ``steps`` steps on a fresh 2-node cluster; return the steady step time."""
+    work = Path(tempfile.mkdtemp(prefix=f"bench-overhead-{system}-"))
+    metrics = work / "metrics.jsonl"
+    overrides = {**GRPO, "steps": steps, "metrics_path": str(metrics), "checkpoint.url": str(work / "ckpt"),
+                 "checkpoint.interval": ckpt_every, "checkpoint.memory_every": 0 if system == "ftrt-nomem" else 1}
+    c = Cluster("torchrun" if system == "torchrun" else "ftrt", work, nnodes="2")
+    try:
+        t0 = time.time()
+        for name in ("n0", "n1"):
+            c.add(name, ["-m", "ftrt.grpo", *(f"{k}={v}" for k, v in overrides.items())])
+        wait_until(lambda: not any(n.alive() for n in c.nodes.values()), 60 + steps * 5, f"{system}'s job to end")
+        codes = {name: n.proc.returncode for name, n in c.nodes.items()}
+        wall = time.time() - t0
+        lines = read_jsonl(metrics)
+    finally:
+        c.close()
+    if codes != {"n0": 0, "n1": 0} or [x["step"] for x in lines] != list(range(steps)):
+        raise RuntimeError(f"{system}: the job did not train steps 0..{steps - 1} cleanly "
+                           f"(exit codes {codes}, {len(lines)} steps logged); its logs are in {work}")
+    shutil.rmtree(work, ignore_errors=True)
+    steady = lines[warmup:]
+    per_step = (steady[-1]["time"] - steady[0]["time"]) / (len(steady) - 1)
+    return {"system": system, "step_s": round(per_step, 5),
+            "median_compute_s": round(statistics.median(x["step_s"] for x in steady), 5),
+            "steps": steps, "warmup": warmup, "wall_s": round(wall, 1)}
+
+
+def run(systems: list[str], reps: int, steps: int, warmup: int, ckpt_every: int) -> dict:
+    rows = []
+    for rep in range(reps):
+        order = systems if rep % 2 == 0 else systems[::-1]
+        for system in order:
+            r = run_one(system, steps=steps, warmup=warmup, ckpt_every=ckpt_every)
+            r["rep"] = rep
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    return {"rows": rows, "summary": summarize(rows, systems, reps)}
+
+
+def summarize(rows: list[dict], systems: list[str], reps: int) -> dict:
+    def times(system: str) -> list[float]:
+        return [r["step_s"] for r in sorted(rows, key=lambda r: r["rep"]) if r["system"] == system]
+
+    base = times("torchrun")
+    out: dict = {"torchrun": {"median_step_s": statistics.median(base), "runs": base}}
+    for system in systems:
+        if system == "torchrun":
+            continue
+        mine = times(system)
+        pairs = [round(a / b, 4) for a, b in zip(mine, base)]
+        out[system] = {"median_step_s": statistics.median(mine), "runs": mine, "pair_ratios": pairs,
+                       "ratio": round(statistics.median(mine) / statistics.median(base), 4),
+                       "median_pair_ratio": round(statistics.median(pairs), 4)}
+    return out
+
+
+def render(summary: dict) -> str:
+    base = summary["torchrun"]["median_step_s"]
+    lines = [f"{'system':<12}{'step time (median)':>20}{'runs':>30}{'ratio':>8}{'pairs':>26}"]
+    for system, s in summary.items():
+        runs = " ".join(f"{v * 1000:.1f}" for v in s["runs"])
+        ratio = f"{s['median_step_s'] / base:.3f}" if system != "torchrun" else "1"
+        pairs = " ".join(f"{v:.3f}" for v in s.get("pair_ratios", []))
+        lines.append(f"{system:<12}{s['median_step_s'] * 1000:>17.1f} ms{runs:>30}{ratio:>8}{pairs:>26}")
+    lines.append("(runs in ms per step; ratio: median step time over torchrun's; pairs: each repeat's ratio; "
+                 "target for ftrt: <= 1.02)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3, help="runs per system, interleaved (default 3)")
+    p.add_argument("--steps", type=int, default=200, help="steps per run (default 200)")
+    p.add_argument("--warmup", type=int, default=20, help="first steps left out of the step time (default 20)")
+    p.add_argument("--ckpt-every", type=int, default=10, help="steps between storage checkpoints (default 10)")
+    p.add_argument("--systems", default="torchrun,ftrt", help=f"comma-separated, from {list(SYSTEMS)}; "
+                   "torchrun is always run (it is the baseline)")
+    p.add_argument("--out", default=None, help="JSON result path (default bench/results/overhead-<time>.json)")
+    args = p.parse_args(argv)
+    systems = list(dict.fromkeys(["torchrun", *(s for s in args.systems.split(",") if s)]))
+    if unknown := sorted(set(systems) - set(SYSTEMS)):
+        p.error(f"--systems names {unknown}; choose from {list(SYSTEMS)}")
+    if not 1 <= args.warmup < args.steps - 1:
+        p.error(f"--warmup ({args.warmup}) must be at least 1 and leave 2 or more of the {args.steps} steps")
+    t0 = time.time()
+    res = run(systems, args.reps, args.steps, args.warmup, args.ckpt_every)
+    res.update(date=time.strftime("%Y-%m-%d %H:%M"), machine=f"{os.cpu_count()} cores", grpo=GRPO,
+               command="python -m bench overhead " + " ".join(argv), wall_s=round(time.time() - t0))
+    path = Path(args.out or ROOT / "bench" / "results" / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print()
+    print(render(res["summary"]))
+    print(f"\nwrote {path}")
+    return 0
