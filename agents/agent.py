@@ -161,7 +161,7 @@ class Agent:
         self.host = cfg.host or ("127.0.0.1" if cfg.standalone else detect_host(cfg.etcd or ""))
         early = self._early or EarlyStart.for_config(cfg)
         self._run_dir, self._fence, self.mem_dir = early.run_dir, early.fence, early.mem_dir
-        self.replicator = Replicator(cfg.node_id, self.mem_dir)
+        self.replicator = Replicator(cfg.node_id, self.mem_dir, cfg.replica_interval)
         self.replicator.start()
         self.pool = WorkerPool(
             nproc=cfg.nproc_per_node, fence_path=self._fence.path,

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="module spares import while waiting (repeatable; default torch, torch.distributed, torch.nn.parallel, torch._dynamo)")
     add("--exit-barrier-timeout", dest="exit_barrier_timeout", type=float, default=300.0,
         help="seconds a finished node waits for the others")
+    add("--replica-interval", dest="replica_interval", type=float, default=0.5,
+        help="seconds between two copies of a data-parallel rank's memory checkpoint to the peer node "
+             "(default 0.5; 0: every one; sharded ranks: every one)")
     add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None, help=argparse.SUPPRESS)
     add("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=None, help=argparse.SUPPRESS)
     add("-m", "--module", dest="is_module", action="store_true", help="run TARGET as a module (python -m)")
@@ -111,7 +114,8 @@ def config_from_namespace(ns: argparse.Namespace) -> "LaunchConfig":
         hang_timeout=ns.hang_timeout, settle=ns.settle, join_settle=ns.join_settle,
         first_round_wait=ns.first_round_wait, stop_grace=ns.stop_grace,
         restart_grace=ns.restart_grace, warm_workers=ns.warm_workers,
-        exit_barrier_timeout=ns.exit_barrier_timeout, script_args=tuple(ns.args),
+        exit_barrier_timeout=ns.exit_barrier_timeout, replica_interval=ns.replica_interval,
+        script_args=tuple(ns.args),
     )
     if ns.is_module:
         values["module"] = ns.target

@@ -42,11 +42,23 @@ GRPO = {
 VICTIMS = ("n1", "n2")
 
 
-def run_one(system: str, *, duration: float, every: float, down: float, ckpt_every: int, log=print) -> dict:
+def parse_overrides(p, items: list[str]) -> dict:
+    """``--grpo KEY=VALUE`` options as a dict (the GRPO config validates them when the job starts)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--grpo {item!r} is not KEY=VALUE (e.g. --grpo model.d_model=32)")
+        out[key] = value
+    return out
+
+
+def run_one(system: str, *, duration: float, every: float, down: float, ckpt_every: int, grpo: dict,
+            log=print) -> dict:
     """Run the schedule once for ``system``; return its goodput, faults and step timeline."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-goodput-{system}-"))
     metrics = work / "metrics.jsonl"
-    overrides = {**GRPO, "metrics_path": str(metrics), "checkpoint.url": str(work / "ckpt"),
+    overrides = {**grpo, "metrics_path": str(metrics), "checkpoint.url": str(work / "ckpt"),
                  "checkpoint.interval": ckpt_every, "checkpoint.keep": 2}
     script = ["-m", "ftrt.grpo", *(f"{k}={v}" for k, v in overrides.items())]
     c = Cluster(system, work, nnodes="2:3", max_restarts=1000)
@@ -139,6 +151,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--down", type=float, default=10.0, help="seconds a killed node stays down (default 10)")
     p.add_argument("--ckpt-every", type=int, default=10, help="steps between storage checkpoints (default 10)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="ftrt, torchrun or both (default)")
+    p.add_argument("--grpo", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the job's GRPO config (repeatable), e.g. --grpo model.d_model=32")
     p.add_argument("--plot", default=None, help="write a PNG of steps and world size over time here")
     p.add_argument("--out", default=None, help="JSON result path (default bench/results/goodput-<time>.json)")
     args = p.parse_args(argv)
@@ -148,14 +162,16 @@ def main(argv: list[str]) -> int:
         p.error(f"--systems names {unknown}; choose from {list(SYSTEMS)}")
     if args.every <= args.down:
         p.error(f"--every ({args.every}) must exceed --down ({args.down}): a node is restarted before the next kill")
+    grpo = {**GRPO, **parse_overrides(p, args.grpo)}
     t0 = time.time()
     rows = []
     for system in systems:
-        r = run_one(system, duration=args.duration, every=args.every, down=args.down, ckpt_every=args.ckpt_every)
+        r = run_one(system, duration=args.duration, every=args.every, down=args.down, ckpt_every=args.ckpt_every,
+                    grpo=grpo)
         print(json.dumps({k: v for k, v in r.items() if k != "timeline"}), flush=True)
         rows.append(r)
     res = {"rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} cores",
-           "command": "python -m bench goodput " + " ".join(argv), "grpo": GRPO, "wall_s": round(time.time() - t0)}
+           "command": "python -m bench goodput " + " ".join(argv), "grpo": grpo, "wall_s": round(time.time() - t0)}
     path = Path(args.out or ROOT / "bench" / "results" / f"goodput-{time.strftime('%Y%m%d-%H%M%S')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1) + "\n")

@@ -6,8 +6,10 @@ has everything ftrt adds in steady state: agents with etcd leases and heartbeats
 workers, and a checkpoint in memory (replicated to the peer node) after every step. torchrun runs
 c10d at the settings ``python -m bench recovery`` gives it.
 
-Step time is the wall time per step once warm: (end of the last step - end of step ``--warmup``)
-/ steps in between, so whatever happens between steps (checkpoint saves, heartbeats) counts.
+Step time is the wall time per step once warm: (end of the last step - end of the first step
+measured) / steps in between, so whatever happens between steps (checkpoint saves, heartbeats)
+counts. Measuring starts after ``--warmup`` steps and, under ftrt, once the agents' spare workers
+are warm (starting them is a one-off ~10 s of CPU per job and per membership change).
 Runs alternate between the systems (the order flips each repeat), so drift in the machine's
 speed falls on both; the ratio is ftrt's step time over torchrun's, per pair and overall.
 ``ftrt-nomem`` (ftrt without the memory tier) can be added to split the memory tier's share from
@@ -25,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.goodput import GRPO
+from bench.goodput import GRPO, parse_overrides
 from bench.recovery import Cluster
 from ftrt.chaos.local import read_jsonl, wait_until
 
@@ -33,18 +35,30 @@ ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("torchrun", "ftrt", "ftrt-nomem")
 
 
-def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int) -> dict:
-    """Train ``steps`` steps on a fresh 2-node cluster; return the steady step time."""
+def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict) -> dict:
+    """Train ``steps`` steps on a fresh 2-node cluster; return the steady step time.
+
+    The steady window starts after ``warmup`` steps and, under ftrt, once every agent's spare
+    workers are warm: starting them (importing torch, ~10 s of CPU here) happens once per job and
+    per membership change, not per step.
+    """
     work = Path(tempfile.mkdtemp(prefix=f"bench-overhead-{system}-"))
     metrics = work / "metrics.jsonl"
-    overrides = {**GRPO, "steps": steps, "metrics_path": str(metrics), "checkpoint.url": str(work / "ckpt"),
+    overrides = {**grpo, "steps": steps, "metrics_path": str(metrics), "checkpoint.url": str(work / "ckpt"),
                  "checkpoint.interval": ckpt_every, "checkpoint.memory_every": 0 if system == "ftrt-nomem" else 1}
     c = Cluster("torchrun" if system == "torchrun" else "ftrt", work, nnodes="2")
+    warm_at = None
     try:
         t0 = time.time()
         for name in ("n0", "n1"):
             c.add(name, ["-m", "ftrt.grpo", *(f"{k}={v}" for k, v in overrides.items())])
-        wait_until(lambda: not any(n.alive() for n in c.nodes.values()), 60 + steps * 5, f"{system}'s job to end")
+        deadline = time.monotonic() + 60 + steps * 5
+        while any(n.alive() for n in c.nodes.values()):
+            if warm_at is None and (c.system == "torchrun" or all(n.spares_warm() for n in c.nodes.values())):
+                warm_at = time.time()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{system}: the job did not end within {deadline:.0f} s; its logs are in {work}")
+            time.sleep(0.1)
         codes = {name: n.proc.returncode for name, n in c.nodes.items()}
         wall = time.time() - t0
         lines = read_jsonl(metrics)
@@ -54,19 +68,23 @@ def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int) -> dict:
         raise RuntimeError(f"{system}: the job did not train steps 0..{steps - 1} cleanly "
                            f"(exit codes {codes}, {len(lines)} steps logged); its logs are in {work}")
     shutil.rmtree(work, ignore_errors=True)
-    steady = lines[warmup:]
+    start = max(warmup, next((i for i, x in enumerate(lines) if warm_at is not None and x["time"] >= warm_at), steps))
+    steady = lines[start:]
+    if len(steady) < 20:
+        raise RuntimeError(f"{system}: only {len(steady)} steps ran after warm-up (spares warm at step {start}); "
+                           f"give more --steps")
     per_step = (steady[-1]["time"] - steady[0]["time"]) / (len(steady) - 1)
     return {"system": system, "step_s": round(per_step, 5),
             "median_compute_s": round(statistics.median(x["step_s"] for x in steady), 5),
-            "steps": steps, "warmup": warmup, "wall_s": round(wall, 1)}
+            "steps": steps, "measured_from": start, "wall_s": round(wall, 1)}
 
 
-def run(systems: list[str], reps: int, steps: int, warmup: int, ckpt_every: int) -> dict:
+def run(systems: list[str], reps: int, steps: int, warmup: int, ckpt_every: int, grpo: dict) -> dict:
     rows = []
     for rep in range(reps):
         order = systems if rep % 2 == 0 else systems[::-1]
         for system in order:
-            r = run_one(system, steps=steps, warmup=warmup, ckpt_every=ckpt_every)
+            r = run_one(system, steps=steps, warmup=warmup, ckpt_every=ckpt_every, grpo=grpo)
             r["rep"] = rep
             rows.append(r)
             print(json.dumps(r), flush=True)
@@ -106,11 +124,13 @@ def render(summary: dict) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench overhead", description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3, help="runs per system, interleaved (default 3)")
-    p.add_argument("--steps", type=int, default=200, help="steps per run (default 200)")
+    p.add_argument("--steps", type=int, default=400, help="steps per run (default 400)")
     p.add_argument("--warmup", type=int, default=20, help="first steps left out of the step time (default 20)")
     p.add_argument("--ckpt-every", type=int, default=10, help="steps between storage checkpoints (default 10)")
     p.add_argument("--systems", default="torchrun,ftrt", help=f"comma-separated, from {list(SYSTEMS)}; "
                    "torchrun is always run (it is the baseline)")
+    p.add_argument("--grpo", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the job's GRPO config (repeatable), e.g. --grpo model.d_model=32")
     p.add_argument("--out", default=None, help="JSON result path (default bench/results/overhead-<time>.json)")
     args = p.parse_args(argv)
     systems = list(dict.fromkeys(["torchrun", *(s for s in args.systems.split(",") if s)]))
@@ -118,9 +138,10 @@ def main(argv: list[str]) -> int:
         p.error(f"--systems names {unknown}; choose from {list(SYSTEMS)}")
     if not 1 <= args.warmup < args.steps - 1:
         p.error(f"--warmup ({args.warmup}) must be at least 1 and leave 2 or more of the {args.steps} steps")
+    grpo = {**GRPO, **parse_overrides(p, args.grpo)}
     t0 = time.time()
-    res = run(systems, args.reps, args.steps, args.warmup, args.ckpt_every)
-    res.update(date=time.strftime("%Y-%m-%d %H:%M"), machine=f"{os.cpu_count()} cores", grpo=GRPO,
+    res = run(systems, args.reps, args.steps, args.warmup, args.ckpt_every, grpo)
+    res.update(date=time.strftime("%Y-%m-%d %H:%M"), machine=f"{os.cpu_count()} cores", grpo=grpo,
                command="python -m bench overhead " + " ".join(argv), wall_s=round(time.time() - t0))
     path = Path(args.out or ROOT / "bench" / "results" / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -170,6 +170,7 @@ class Checkpointer:
         else:
             self.rank, self.world, self._pg, self._vote_pg = 0, 1, None, None
         self._stager = Stager(staging_slots or (3 if mem_dir else 2))
+        self._state_dicts = st.StateDicts()  # fast to_dcp for every save
         self._stage_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftrt-ckpt-stage")
         # Persistence and deletion are background work: their threads run at a lower CPU priority
         # so that on a busy host they take what the training loop leaves.
@@ -256,7 +257,7 @@ class Checkpointer:
                 log.info("checkpoint step %d: no free memory slot while storage is busy; skipped", step)
                 self.skipped_saves += 1
                 return SaveHandle.skipped_at(step)
-        sd = self._stager.snapshot_plain(st.to_dcp(state))
+        sd = self._stager.snapshot_plain(self._state_dicts.to_dcp(state))
         slot = self._stager.acquire(avoid=avoid)
         handle = SaveHandle(step)
         handle.persisting = persist
@@ -527,7 +528,7 @@ class Checkpointer:
         if errors:
             log.warning("memory tier cannot restore this state (%s); using storage", errors[0])
             return None
-        for r in range(world):
+        for r in sorted(holders):
             holder = holders[r]
             if not any(r in n and i != holder for i, (n, _) in enumerate(needs)):
                 continue
@@ -544,7 +545,7 @@ class Checkpointer:
         if errors:
             log.warning("memory tier could not restore (%s); using storage", errors[0])
             return None
-        loaded = memtier.unflatten(memtier.skeleton_of(old[0]), t_flat)
+        loaded = memtier.unflatten(memtier.skeleton_of(old[min(old)]), t_flat)
         st.apply(state, loaded)
         log.info("restored checkpoint step %d from memory (saved by %d ranks in round %d)", step, world, rnd)
         self.last_restore_tier = "memory"

@@ -51,6 +51,103 @@ def to_dcp(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class StateDicts:
+    """:func:`to_dcp` for every save of one checkpointer, fast for plain modules and their optimizers.
+
+    DCP's ``get_model_state_dict`` / ``get_optimizer_state_dict`` recompute every parameter's name
+    on each call (milliseconds of Python per save, paid on the training thread at every memory
+    checkpoint). For a module that is not sharded, their result is ``module.state_dict()`` and
+    ``optimizer.state_dict()`` with keys renamed to parameter names. The first save (and any save
+    after the structure changed: other keys, new optimizer state) takes DCP's way and checks the
+    fast result against it, tensor by tensor (same storage, same shape); while the structure stays
+    the same, later saves take the fast way. A module that does not pass the check (FSDP2's
+    DTensors, hooks that change tensors) always takes DCP's way.
+    """
+
+    def __init__(self) -> None:
+        self._models: dict[int, tuple[tuple[str, ...], tuple[str, ...]] | None] = {}
+        self._optims: dict[int, tuple[tuple, list[str]] | None] = {}
+
+    def to_dcp(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The same dict as :func:`to_dcp` (references to the live tensors)."""
+        if not isinstance(state, dict):
+            return to_dcp(state)  # raises the error
+        modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+        out: dict[str, Any] = {}
+        for key, value in state.items():
+            if isinstance(value, nn.Module):
+                out[key] = self._model(value)
+            elif isinstance(value, torch.optim.Optimizer):
+                out[key] = self._optim(_owner(value, key, modules), value)
+            else:
+                out.update(to_dcp({key: value}))
+        return out
+
+    def _model(self, module: nn.Module) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        entry = self._models.get(id(module), ())
+        if entry is None:
+            return get_model_state_dict(module)
+        fast = module.state_dict()
+        keys = tuple(fast)
+        if entry and entry[0] == keys:
+            return dict(zip(entry[1], fast.values()))
+        slow = get_model_state_dict(module)
+        ok = len(slow) == len(fast) and all(_same(a, b) for a, b in zip(fast.values(), slow.values()))
+        self._models[id(module)] = (keys, tuple(slow)) if ok else None
+        return slow
+
+    def _optim(self, module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        entry = self._optims.get(id(opt), ())
+        if entry is None:
+            return get_optimizer_state_dict(module, opt)
+        fast = opt.state_dict()
+        shape = (tuple(len(g["params"]) for g in fast["param_groups"]),
+                 tuple((i, tuple(s)) for i, s in fast["state"].items()))
+        if entry and entry[0] == shape:
+            return _renamed(fast, entry[1])
+        slow = get_optimizer_state_dict(module, opt)
+        fast = opt.state_dict()  # DCP initialises the state of an optimizer that has not stepped
+        shape = (tuple(len(g["params"]) for g in fast["param_groups"]),
+                 tuple((i, tuple(s)) for i, s in fast["state"].items()))
+        ints = [i for g in fast["param_groups"] for i in g["params"]]
+        names = [n for g in slow.get("param_groups", []) for n in g["params"]]
+        ok = len(ints) == len(names) and ints == list(range(len(ints))) and _same_optim(_renamed(fast, names), slow)
+        self._optims[id(opt)] = (shape, names) if ok else None
+        return slow
+
+
+def _renamed(sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    return {"state": {names[i]: s for i, s in sd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same plain tensor (storage, offset, shape) or an equal plain value."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (type(a) is torch.Tensor and type(b) is torch.Tensor and a.data_ptr() == b.data_ptr()
+                and a.shape == b.shape and a.dtype == b.dtype)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot compare are not "the same"
+        return False
+
+
+def _same_optim(fast: dict[str, Any], slow: dict[str, Any]) -> bool:
+    if set(slow) != {"state", "param_groups"} or set(fast["state"]) != set(slow["state"]):
+        return False
+    for name, entry in fast["state"].items():
+        other = slow["state"][name]
+        if set(entry) != set(other) or not all(_same(entry[k], other[k]) for k in entry):
+            return False
+    groups = slow["param_groups"]
+    return len(groups) == len(fast["param_groups"]) and all(
+        set(g) == set(h) and all(_same(g[k], h[k]) for k in g) for g, h in zip(fast["param_groups"], groups))
+
+
 def apply(state: dict[str, Any], loaded: dict[str, Any]) -> None:
     """Put what DCP loaded (into a :func:`to_dcp` dict) back into the user's objects, in place."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict

@@ -115,3 +115,22 @@ def test_choose_takes_the_newest_checkpoint_every_old_rank_of_which_is_held():
     assert memtier.choose(per_new_rank) == (7, 1, 2, {0: 0, 1: 1})
     assert memtier.choose([[index(7, 0, 3)], [index(7, 1, 3)]]) is None  # old rank 2 is lost
     assert memtier.choose([[], []]) is None
+
+
+def whole_or_shard(step: int, rank: int, world: int, sharded: bool) -> dict:
+    """An index whose one tensor (8 x 4) is whole on every rank, or split by rows among them."""
+    rows = 8 // world if sharded else 8
+    entry = {"key": "w", "local_shape": [rows, 4], "global_shape": [8, 4],
+             "global_offset": [rank * rows if sharded else 0, 0]}
+    return {**index(step, rank, world), "entries": [entry]}
+
+
+def test_choose_takes_a_newer_replicated_checkpoint_that_the_survivors_cover_alone():
+    # Data parallel: old rank 1's node is gone and its replica (step 6) lags; old rank 0's own copy
+    # of step 8 holds every tensor whole, so step 8 is whole.
+    survivors = [[whole_or_shard(8, 0, 2, False), whole_or_shard(7, 0, 2, False), whole_or_shard(6, 1, 2, False)]]
+    assert memtier.choose(survivors) == (8, 1, 2, {0: 0})
+    # Sharded: rank 0's rows alone are half the tensor; the newest step held in full is 6.
+    sharded = [[whole_or_shard(8, 0, 2, True), whole_or_shard(6, 0, 2, True), whole_or_shard(6, 1, 2, True)]]
+    assert memtier.choose(sharded) == (6, 1, 2, {0: 0, 1: 0})
+    assert memtier.choose([[whole_or_shard(8, 0, 2, True)]]) is None

@@ -1,0 +1,67 @@
+"""Peer replication over real gRPC between two memory directories: what is sent, and how often."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+
+import grpc.aio
+import torch
+
+from ftrt.agents.replicator import Replicator
+from ftrt.agents.service import AgentServicer
+from ftrt.checkpoint.memtier import Arena, Entry
+from ftrt.v1 import agent_pb2_grpc
+
+
+def commit(mem_dir, rank: int, step: int, sharded: bool) -> None:
+    t = torch.full((4, 4), float(step))
+    global_shape, offset = ([8, 4], [4 * rank, 0]) if sharded else ([4, 4], [0, 0])
+    entries = [Entry("w", str(t.dtype), 0, t.numel() * 4, [4, 4], global_shape, offset)]
+    arena = Arena(str(mem_dir), rank)
+    slot = (arena.current_slot() or 0) ^ 1
+    arena.buffers(slot, entries, 4096)["w"].copy_(t)
+    arena.commit(slot=slot, step=step, round_no=1, world=2, entries=entries, size=4096, skeleton={})
+
+
+def replica_step(mem_dir, rank: int) -> int | None:
+    path = mem_dir / "replicas" / "a" / f"rank-{rank}" / "current.json"
+    return json.loads(path.read_text())["step"] if path.exists() else None
+
+
+def test_sharded_ranks_go_after_every_checkpoint_and_whole_ones_at_most_every_interval(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+
+    async def main():
+        server = grpc.aio.server()
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(types.SimpleNamespace(mem_dir=str(dst))), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        rep = Replicator("a", str(src), interval=0.5)
+        rep.start()
+        rep.set_peer(f"127.0.0.1:{port}")
+        try:
+            for step in range(1, 11):  # 10 checkpoints in ~0.3 s
+                commit(src, 0, step, sharded=False)
+                commit(src, 1, step, sharded=True)
+                rep.notify(0)
+                rep.notify(1)
+                await asyncio.sleep(0.03)
+            for _ in range(100):
+                if replica_step(dst, 1) == 10:
+                    break
+                await asyncio.sleep(0.02)
+            assert replica_step(dst, 1) == 10  # sharded: the newest, promptly
+            lagging = replica_step(dst, 0)
+            await asyncio.sleep(0.8)
+            assert replica_step(dst, 0) == 10  # whole: the newest arrives within the interval
+            return lagging, dict(rep.sends)
+        finally:
+            await rep.close()
+            await server.stop(None)
+
+    lagging, sends = asyncio.run(main())
+    assert lagging is not None and lagging < 10, lagging
+    assert sends[0] <= 3, sends  # at ~0, ~0.5 and ~1.0 s at most
+    assert sends[1] >= 5, sends  # latest-wins may merge a few, but most went
