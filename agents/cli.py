@@ -81,9 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="module spares import while waiting (repeatable; default torch, torch.distributed, torch.nn.parallel, torch._dynamo)")
     add("--exit-barrier-timeout", dest="exit_barrier_timeout", type=float, default=300.0,
         help="seconds a finished node waits for the others")
-    add("--replica-interval", dest="replica_interval", type=float, default=0.5,
+    add("--replica-interval", dest="replica_interval", type=float, default=10.0,
         help="seconds between two copies of a data-parallel rank's memory checkpoint to the peer node "
-             "(default 0.5; 0: every one; sharded ranks: every one)")
+             "(default 10; 0: every one; sharded ranks: every one)")
     add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None, help=argparse.SUPPRESS)
     add("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=None, help=argparse.SUPPRESS)
     add("-m", "--module", dest="is_module", action="store_true", help="run TARGET as a module (python -m)")

@@ -79,7 +79,7 @@ class LaunchConfig(BaseModel):
         300.0, ge=0, description="Seconds a finished node waits for the other members to finish."
     )
     replica_interval: float = Field(
-        0.5, ge=0, description="Seconds between two copies to the peer node of a rank's memory "
+        10.0, ge=0, description="Seconds between two copies to the peer node of a rank's memory "
         "checkpoint that holds every tensor whole (data parallel; the newest is sent; 0: every one). "
         "Sharded ranks are copied after every checkpoint.",
     )

@@ -19,7 +19,7 @@ NAMES = {
 }
 QUICK: dict[str, list[str]] = {
     "rdzv_scale": ["--sizes", "16,64,256", "--torchrun-sizes", "16,64", "--c10d", "best", "--cap", "30"],
-    "overhead": ["--reps", "2"],
+    "overhead": ["--reps", "1", "--steps", "120"],
     "goodput": ["--duration", "150", "--plot", "bench/results/goodput-quick.png"],
     "recovery": ["--reps", "1", "--scenario", "node_loss", "--scenario", "node_join", "--no-torchrun-defaults"],
     "ckpt_stall": ["--gib", "0.25", "--steps", "45"],

@@ -76,6 +76,7 @@ def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict
     per_step = (steady[-1]["time"] - steady[0]["time"]) / (len(steady) - 1)
     return {"system": system, "step_s": round(per_step, 5),
             "median_compute_s": round(statistics.median(x["step_s"] for x in steady), 5),
+            "longest_step_gap_s": round(max(b["time"] - a["time"] for a, b in zip(steady, steady[1:])), 3),
             "steps": steps, "measured_from": start, "wall_s": round(wall, 1)}
 
 
@@ -124,7 +125,7 @@ def render(summary: dict) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench overhead", description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3, help="runs per system, interleaved (default 3)")
-    p.add_argument("--steps", type=int, default=400, help="steps per run (default 400)")
+    p.add_argument("--steps", type=int, default=200, help="steps per run (default 200)")
     p.add_argument("--warmup", type=int, default=20, help="first steps left out of the step time (default 20)")
     p.add_argument("--ckpt-every", type=int, default=10, help="steps between storage checkpoints (default 10)")
     p.add_argument("--systems", default="torchrun,ftrt", help=f"comma-separated, from {list(SYSTEMS)}; "

@@ -70,3 +70,23 @@ def rdzv_scale_png(result: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m bench.plots {rdzv_scale,goodput} RESULT.json OUT.png``: redraw a figure from a result."""
+    import json
+    import sys
+
+    kinds = {"rdzv_scale": lambda d, out: rdzv_scale_png(d, out), "goodput": lambda d, out: goodput_png(d["rows"], out)}
+    if len(argv) != 3 or argv[0] not in kinds:
+        print(f"usage: python -m bench.plots {{{','.join(kinds)}}} RESULT.json OUT.png", file=sys.stderr)
+        return 2
+    kinds[argv[0]](json.loads(Path(argv[1]).read_text()), argv[2])
+    print(f"wrote {argv[2]}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
