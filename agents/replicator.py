@@ -12,7 +12,7 @@ A sharded rank is sent after every checkpoint: its shards exist nowhere else. A 
 checkpoint holds every tensor whole (data parallel) is sent at most every ``--replica-interval``
 seconds (default 10): every survivor's own copy already covers a lost node
 (:func:`ftrt.checkpoint.memtier.choose`), so its replica is only a spare, and sending each step's
-copy cost each agent 5-15 % of a core here and made training steps ~8 % slower.
+copy cost each agent 5-15 % of a core here (docs/benchmarks.md, overhead).
 """
 
 from __future__ import annotations

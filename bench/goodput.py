@@ -43,15 +43,33 @@ GRPO = {
 VICTIMS = ("n1", "n2")
 
 
-def parse_overrides(p, items: list[str]) -> dict:
-    """``--grpo KEY=VALUE`` options as a dict (the GRPO config validates them when the job starts)."""
-    out = {}
-    for item in items:
+def add_job_options(p: argparse.ArgumentParser, name: str) -> None:
+    """The options the GRPO benchmarks share: checkpoint interval, config overrides, result path."""
+    p.add_argument("--ckpt-every", type=int, default=10, help="steps between storage checkpoints (default 10)")
+    p.add_argument("--grpo", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the job's GRPO config (repeatable), e.g. --grpo model.d_model=32")
+    p.add_argument("--out", default=None, help=f"JSON result path (default bench/results/{name}-<time>.json)")
+
+
+def job_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """The GRPO job with the ``--grpo KEY=VALUE`` overrides (the trainer validates them at start)."""
+    out = dict(GRPO)
+    for item in args.grpo:
         key, sep, value = item.partition("=")
         if not sep or not key:
             p.error(f"--grpo {item!r} is not KEY=VALUE (e.g. --grpo model.d_model=32)")
         out[key] = value
     return out
+
+
+def save_result(name: str, res: dict, argv: list[str], t0: float, out: str | None) -> Path:
+    """Stamp ``res`` with date, machine, command and wall time; write it as JSON; return the path."""
+    res.update(date=time.strftime("%Y-%m-%d %H:%M"), machine=f"{os.cpu_count()} cores",
+               command=f"python -m bench {name} " + " ".join(argv), wall_s=round(time.time() - t0))
+    path = Path(out or ROOT / "bench" / "results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    return path
 
 
 def run_one(system: str, *, duration: float, every: float, down: float, ckpt_every: int, grpo: dict,
@@ -150,12 +168,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--duration", type=float, default=300.0, help="seconds of training per system (default 300)")
     p.add_argument("--every", type=float, default=60.0, help="seconds between node kills (default 60)")
     p.add_argument("--down", type=float, default=10.0, help="seconds a killed node stays down (default 10)")
-    p.add_argument("--ckpt-every", type=int, default=10, help="steps between storage checkpoints (default 10)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="ftrt, torchrun or both (default)")
-    p.add_argument("--grpo", action="append", default=[], metavar="KEY=VALUE",
-                   help="override the job's GRPO config (repeatable), e.g. --grpo model.d_model=32")
     p.add_argument("--plot", default=None, help="write a PNG of steps and world size over time here")
-    p.add_argument("--out", default=None, help="JSON result path (default bench/results/goodput-<time>.json)")
+    add_job_options(p, "goodput")
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -163,7 +178,7 @@ def main(argv: list[str]) -> int:
         p.error(f"--systems names {unknown}; choose from {list(SYSTEMS)}")
     if args.every <= args.down:
         p.error(f"--every ({args.every}) must exceed --down ({args.down}): a node is restarted before the next kill")
-    grpo = {**GRPO, **parse_overrides(p, args.grpo)}
+    grpo = job_config(p, args)
     t0 = time.time()
     rows = []
     for system in systems:
@@ -171,11 +186,7 @@ def main(argv: list[str]) -> int:
                     grpo=grpo)
         print(json.dumps({k: v for k, v in r.items() if k != "timeline"}), flush=True)
         rows.append(r)
-    res = {"rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} cores",
-           "command": "python -m bench goodput " + " ".join(argv), "grpo": grpo, "wall_s": round(time.time() - t0)}
-    path = Path(args.out or ROOT / "bench" / "results" / f"goodput-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1) + "\n")
+    path = save_result("goodput", {"rows": rows, "grpo": grpo}, argv, t0, args.out)
     if args.plot:
         from bench.plots import goodput_png
 

@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from bench.goodput import GRPO, parse_overrides
+from bench.goodput import add_job_options, job_config, save_result
 from bench.recovery import Cluster
-from ftrt.chaos.local import read_jsonl, wait_until
+from ftrt.chaos.local import read_jsonl
 
-ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("torchrun", "ftrt", "ftrt-nomem")
 
 
@@ -127,26 +125,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reps", type=int, default=3, help="runs per system, interleaved (default 3)")
     p.add_argument("--steps", type=int, default=200, help="steps per run (default 200)")
     p.add_argument("--warmup", type=int, default=20, help="first steps left out of the step time (default 20)")
-    p.add_argument("--ckpt-every", type=int, default=10, help="steps between storage checkpoints (default 10)")
     p.add_argument("--systems", default="torchrun,ftrt", help=f"comma-separated, from {list(SYSTEMS)}; "
                    "torchrun is always run (it is the baseline)")
-    p.add_argument("--grpo", action="append", default=[], metavar="KEY=VALUE",
-                   help="override the job's GRPO config (repeatable), e.g. --grpo model.d_model=32")
-    p.add_argument("--out", default=None, help="JSON result path (default bench/results/overhead-<time>.json)")
+    add_job_options(p, "overhead")
     args = p.parse_args(argv)
     systems = list(dict.fromkeys(["torchrun", *(s for s in args.systems.split(",") if s)]))
     if unknown := sorted(set(systems) - set(SYSTEMS)):
         p.error(f"--systems names {unknown}; choose from {list(SYSTEMS)}")
     if not 1 <= args.warmup < args.steps - 1:
         p.error(f"--warmup ({args.warmup}) must be at least 1 and leave 2 or more of the {args.steps} steps")
-    grpo = {**GRPO, **parse_overrides(p, args.grpo)}
+    grpo = job_config(p, args)
     t0 = time.time()
     res = run(systems, args.reps, args.steps, args.warmup, args.ckpt_every, grpo)
-    res.update(date=time.strftime("%Y-%m-%d %H:%M"), machine=f"{os.cpu_count()} cores", grpo=grpo,
-               command="python -m bench overhead " + " ".join(argv), wall_s=round(time.time() - t0))
-    path = Path(args.out or ROOT / "bench" / "results" / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1) + "\n")
+    res["grpo"] = grpo
+    path = save_result("overhead", res, argv, t0, args.out)
     print()
     print(render(res["summary"]))
     print(f"\nwrote {path}")

@@ -9,7 +9,7 @@ sharded (DTensor) entries for FSDP2, strip DDP's prefixes, key optimizer state b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -33,6 +33,16 @@ def to_dcp(state: dict[str, Any]) -> dict[str, Any]:
     """The dict DCP saves (or loads into): references to the live tensors, no copies."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    return _convert(state, get_model_state_dict, lambda owner, opt: get_optimizer_state_dict(owner(), opt))
+
+
+def _convert(state: dict[str, Any], model_sd: Callable[[nn.Module], dict],
+             optim_sd: Callable[[Callable[[], nn.Module], torch.optim.Optimizer], dict]) -> dict[str, Any]:
+    """:func:`to_dcp` with the module and optimizer state dicts made by ``model_sd`` / ``optim_sd``.
+
+    ``optim_sd`` gets the optimizer's module as a callable: finding it costs a walk over every
+    parameter, which only DCP's own function needs.
+    """
     if not isinstance(state, dict):
         raise ConfigError(f"A checkpoint state must be a dict of named entries, got {type(state).__name__}.")
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
@@ -41,9 +51,9 @@ def to_dcp(state: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(key, str):
             raise ConfigError(f"Checkpoint state keys must be strings, got {key!r}.")
         if isinstance(value, nn.Module):
-            out[key] = get_model_state_dict(value)
+            out[key] = model_sd(value)
         elif isinstance(value, torch.optim.Optimizer):
-            out[key] = get_optimizer_state_dict(_owner(value, key, modules), value)
+            out[key] = optim_sd(lambda value=value, key=key: _owner(value, key, modules), value)
         elif callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
             out[key] = value.state_dict()
         else:
@@ -70,18 +80,7 @@ class StateDicts:
 
     def to_dcp(self, state: dict[str, Any]) -> dict[str, Any]:
         """The same dict as :func:`to_dcp` (references to the live tensors)."""
-        if not isinstance(state, dict):
-            return to_dcp(state)  # raises the error
-        modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
-        out: dict[str, Any] = {}
-        for key, value in state.items():
-            if isinstance(value, nn.Module):
-                out[key] = self._model(value)
-            elif isinstance(value, torch.optim.Optimizer):
-                out[key] = self._optim(_owner(value, key, modules), value)
-            else:
-                out.update(to_dcp({key: value}))
-        return out
+        return _convert(state, self._model, self._optim)
 
     def _model(self, module: nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -98,26 +97,28 @@ class StateDicts:
         self._models[id(module)] = (keys, tuple(slow)) if ok else None
         return slow
 
-    def _optim(self, module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    def _optim(self, owner: Callable[[], nn.Module], opt: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         entry = self._optims.get(id(opt), ())
         if entry is None:
-            return get_optimizer_state_dict(module, opt)
+            return get_optimizer_state_dict(owner(), opt)
         fast = opt.state_dict()
-        shape = (tuple(len(g["params"]) for g in fast["param_groups"]),
-                 tuple((i, tuple(s)) for i, s in fast["state"].items()))
-        if entry and entry[0] == shape:
+        if entry and entry[0] == _optim_shape(fast):
             return _renamed(fast, entry[1])
-        slow = get_optimizer_state_dict(module, opt)
+        slow = get_optimizer_state_dict(owner(), opt)
         fast = opt.state_dict()  # DCP initialises the state of an optimizer that has not stepped
-        shape = (tuple(len(g["params"]) for g in fast["param_groups"]),
-                 tuple((i, tuple(s)) for i, s in fast["state"].items()))
         ints = [i for g in fast["param_groups"] for i in g["params"]]
         names = [n for g in slow.get("param_groups", []) for n in g["params"]]
         ok = len(ints) == len(names) and ints == list(range(len(ints))) and _same_optim(_renamed(fast, names), slow)
-        self._optims[id(opt)] = (shape, names) if ok else None
+        self._optims[id(opt)] = (_optim_shape(fast), names) if ok else None
         return slow
+
+
+def _optim_shape(sd: dict[str, Any]) -> tuple:
+    """What must stay the same for a cached renaming to hold: group sizes and per-parameter state keys."""
+    return (tuple(len(g["params"]) for g in sd["param_groups"]),
+            tuple((i, tuple(entry)) for i, entry in sd["state"].items()))
 
 
 def _renamed(sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
