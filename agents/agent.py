@@ -186,6 +186,7 @@ class Agent:
                 join_settle_s=cfg.join_settle, first_round_wait_s=cfg.first_round_wait,
                 join_timeout_s=cfg.join_timeout, max_restarts=cfg.max_restarts,
             ),
+            registration=self._registration,
             on_event=lambda kind, msg: self._events.emit(kind, msg),
             on_change=self._poke,
         )
@@ -269,9 +270,16 @@ class Agent:
         except (LeaseLost, StoreError) as exc:
             self.log.warning("could not update this node's record: %s", exc)
 
+    def _registration(self) -> tuple[int, str] | None:
+        """This node's live lease and incarnation (the rendezvous takes the decider key under it)."""
+        if self.session is None or self.record is None or self.session.expired():
+            return None
+        return self.session.lease_id, self.record.incarnation
+
     async def _on_peer_dead(self, node_id: str, reason: str) -> None:
-        rec = self.rdzv.view.nodes.get(node_id) if self.rdzv else None
-        if rec is None:
+        rnd = self.rdzv.view.round if self.rdzv else None
+        rec = rnd.member(node_id) if rnd else None
+        if rec is None or not rec.lease:
             return
         self.log.warning("peer %s is dead (%s); revoking its lease", node_id, reason)
         self._events.emit("node_lost", f"{node_id}: {reason}", lost=node_id)
@@ -480,13 +488,13 @@ class Agent:
         peers: dict[str, str] = {}
         if rnd is not None and self.state is AgentState.RUNNING:
             for nid in ring_successors(rnd.node_ids, self.cfg.node_id):
-                rec = self.rdzv.view.nodes.get(nid)
-                if rec is not None:
+                rec = rnd.member(nid)
+                if rec is not None and rec.agent_addr:
                     peers[nid] = rec.agent_addr
         self._monitor.watch(peers)
         successors = ring_successors(rnd.node_ids, self.cfg.node_id, k=1) if rnd is not None else []
-        successor = self.rdzv.view.nodes.get(successors[0]) if successors else None
-        self.replicator.set_peer(successor.agent_addr if successor is not None else None)
+        successor = rnd.member(successors[0]) if successors and rnd is not None else None
+        self.replicator.set_peer(successor.agent_addr or None if successor is not None else None)
 
     # -- shutdown -------------------------------------------------------------------------------
     async def _shutdown(self) -> None:

@@ -1,7 +1,8 @@
 """The rendezvous decision, as a pure function of (now, view, config).
 
-Every agent runs :func:`decide_round` on its own view of etcd and the first to write the proposed
-round by compare-and-swap wins; the others see the round in their watch and agree. The function
+The job's decider (one agent, elected through a key under its lease; see
+:mod:`ftrt.agents.rendezvous`) runs :func:`decide_round` on its view of etcd and writes the
+proposed round by compare-and-swap; the others see the round in their watch and agree. The function
 never performs I/O and gets time as an argument, so every rule below has a unit test with a fake
 clock (``tests/agents/test_decide.py``).
 
@@ -85,7 +86,7 @@ def _alive(view: View, m: Member) -> bool:
 
 
 def _as_member(node: NodeRecord) -> Member:
-    return Member(node.node_id, node.incarnation, node.nproc)
+    return Member(node.node_id, node.incarnation, node.nproc, agent_addr=node.agent_addr, lease=node.lease)
 
 
 def _candidates(view: View) -> list[NodeRecord]:
@@ -236,16 +237,3 @@ def _below_min(now: float, view: View, cfg: RendezvousConfig, have: int) -> Deci
         f"waiting for nodes: {have} of at least {cfg.min_nodes} ready",
         wake_at=give_up,
     )
-
-
-def proposer(decision: Decision, view: View) -> str | None:
-    """The node expected to write ``decision``'s round: its first surviving member.
-
-    Others write too, after a short delay, should that node fail to (it may be the one lost).
-    """
-    if decision.round is None:
-        return None
-    for m in decision.round.members:
-        if m.node_id in view.nodes:
-            return m.node_id
-    return None

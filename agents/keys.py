@@ -1,7 +1,10 @@
 """The etcd key layout of a job. Everything a job writes lives under ``/ftrt/<job_id>/``.
 
-``rdzv/`` holds what the rendezvous watches (one watch per agent covers it); events and
-checkpoint pointers live beside it so their traffic does not wake the rendezvous.
+``rdzv/`` holds what every agent watches: the round, restart requests, the rounds' master
+records, the job's terminal state and the decider key (one watch per agent covers it). ``nodes/``
+holds one record per live agent; only the job's decider watches it, so a join costs O(1) watch
+events per agent, not O(N). Events and checkpoint pointers live beside them so their traffic
+wakes no rendezvous.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ class JobKeys:
 
     @property
     def nodes(self) -> str:
-        return f"{self.rdzv}nodes/"
+        """Prefix of the node records (watched by the decider only)."""
+        return f"{self.root}nodes/"
 
     def node(self, node_id: str) -> str:
         return f"{self.nodes}{node_id}"
@@ -49,6 +53,11 @@ class JobKeys:
     @property
     def round(self) -> str:
         return f"{self.rdzv}round"
+
+    @property
+    def decider(self) -> str:
+        """The agent that decides rounds: held under its lease, taken by whoever finds it free."""
+        return f"{self.rdzv}decider"
 
     @property
     def requests(self) -> str:

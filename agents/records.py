@@ -1,10 +1,11 @@
 """The records agents keep in etcd, as plain frozen dataclasses with a JSON codec.
 
-- :class:`NodeRecord`: one per live agent, under its lease (``rdzv/nodes/<node_id>``).
+- :class:`NodeRecord`: one per live agent, under its lease (``nodes/<node_id>``).
 - :class:`RoundRecord`: the current round (``rdzv/round``): members in rank order, world size.
 - :class:`RestartRequest`: an agent asks for a new round because its workers failed or hung.
 - :class:`MasterRecord`: where round ``n``'s workers find their TCPStore (published by member 0).
 - :class:`JobState`: the job's terminal state once it has one.
+- :class:`DeciderRecord`: which agent decides rounds (``rdzv/decider``, under that agent's lease).
 
 Values are JSON so that ``etcdctl get`` and ``ftrt status`` can read them.
 """
@@ -64,6 +65,10 @@ class Member:
     node_id: str
     incarnation: str
     nproc: int
+    agent_addr: str = field(default="", compare=False)
+    """The member's agent service (``host:port``): peers monitor it and replicate to it."""
+    lease: int = field(default=0, compare=False)
+    """The member's etcd lease: a peer that finds the member dead revokes it."""
 
 
 @dataclass(frozen=True)
@@ -137,4 +142,14 @@ class JobState:
     state: Literal["succeeded", "failed"]
     reason: str
     round: int = 0
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class DeciderRecord:
+    """The agent that decides rounds. Its key lives under that agent's lease, so it goes when the
+    agent does, and the next agent to see it free takes it."""
+
+    node_id: str
+    incarnation: str
     time: float = 0.0

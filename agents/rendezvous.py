@@ -1,14 +1,22 @@
-"""The rendezvous as seen by one agent: its view of etcd, the decision loop and fenced writes.
+"""The rendezvous as seen by one agent: its view of etcd, the decider election and fenced writes.
 
-One watch on ``/ftrt/<job>/rdzv/`` keeps :class:`~ftrt.agents.decide.View` current. Whenever it
-changes (or a decision's wake-up time comes), :func:`~ftrt.agents.decide.decide_round` runs and
-its action is applied:
+Every agent watches ``/ftrt/<job>/rdzv/``: the round, restart requests, master records, the job's
+terminal state and the decider key. That is O(1) keys, so a join of N nodes costs each agent O(1)
+watch events, not O(N).
+
+One agent of the job is its *decider*. It holds ``rdzv/decider`` under its own lease, reads and
+watches every node record (``/ftrt/<job>/nodes/``) and runs
+:func:`~ftrt.agents.decide.decide_round` whenever that view changes (or a decision's wake-up time
+comes). Its actions:
 
 - ``WRITE_ROUND``: a transaction that succeeds only if the round key is unchanged since the view
-  read it (compare-and-swap on its mod revision); it also clears restart requests and master
-  records of older rounds. The decision's proposer (first surviving member) writes at once; the
-  others wait ``backup_delay`` first, in case the proposer is the node that just died.
-- ``FAIL`` / ``SUCCEED``: the job's terminal state, written only if absent.
+  read it (compare-and-swap on its mod revision) and the decider key is still under this agent's
+  lease; it also clears restart requests and master records of older rounds.
+- ``FAIL`` / ``SUCCEED``: the job's terminal state, written only if absent (same decider fence).
+
+The decider key goes with the decider's lease: when that agent dies (its lease revoked by a peer
+that found it dead, or expired), every agent sees the key deleted and tries to take it with a
+create-if-absent transaction; one wins, reads the node records and decides from then on.
 
 Every other write of the job is fenced by the round: a restart request names its round, a master
 record is written only while the round key is unchanged.
@@ -22,9 +30,10 @@ import logging
 import time
 from typing import Callable
 
-from ftrt.agents.decide import Action, Decision, RendezvousConfig, View, decide_round, proposer
+from ftrt.agents.decide import Action, RendezvousConfig, View, decide_round
 from ftrt.agents.keys import JobKeys
 from ftrt.agents.records import (
+    DeciderRecord,
     JobState,
     MasterRecord,
     NodeRecord,
@@ -39,8 +48,16 @@ from ftrt.store.api import Compare, Delete, Put, Store, WatchEvent
 log = logging.getLogger(__name__)
 
 
+Registration = Callable[[], "tuple[int, str] | None"]
+"""Returns this agent's current ``(lease id, incarnation)``, or None while it holds no lease."""
+
+
 class Rendezvous:
-    """Keeps the view of one job and drives its rounds. See the module docstring."""
+    """Keeps the view of one job and, while this agent is the decider, drives its rounds.
+
+    See the module docstring. ``registration`` tells the current lease and incarnation of this
+    agent (they change when it rejoins after losing its lease); the decider key is taken under it.
+    """
 
     def __init__(
         self,
@@ -49,8 +66,8 @@ class Rendezvous:
         node_id: str,
         cfg: RendezvousConfig,
         *,
+        registration: Registration,
         clock: Callable[[], float] = time.monotonic,
-        backup_delay: float = 0.3,
         on_event: Callable[[str, str], None] | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
@@ -58,19 +75,24 @@ class Rendezvous:
         self.keys = keys
         self.node_id = node_id
         self.cfg = cfg
+        self.registration = registration
         self.clock = clock
-        self.backup_delay = backup_delay
         self.on_event = on_event or (lambda kind, msg: None)
         self.on_change = on_change or (lambda: None)
         self.view = View(changed_at=clock(), waiting_since=clock())
+        """The job as this agent sees it; ``view.nodes`` is filled only while it is the decider."""
         self.round_mod_revision = 0
         self.masters: dict[int, MasterRecord] = {}
+        self.decider: DeciderRecord | None = None
+        self.decider_lease = 0
+        self.deciding = False
+        """True while this agent holds the decider key and watches the node records."""
         self.changed = asyncio.Event()
         """Set on every change of the view; consumers clear it."""
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._nodes_task: asyncio.Task | None = None
         self._last_reason = ""
-        self._pending_since: dict[int, float] = {}
         self.synced = asyncio.Event()
         self._waiters: list[asyncio.Future] = []
 
@@ -78,34 +100,47 @@ class Rendezvous:
     async def start(self) -> None:
         revision = await self._resync()
         self._tasks = [
-            asyncio.create_task(self._watch(revision + 1), name="rdzv-watch"),
+            asyncio.create_task(self._watch(self.keys.rdzv, revision + 1, self._resync), name="rdzv-watch"),
             asyncio.create_task(self._decide_loop(), name="rdzv-decide"),
         ]
         self.synced.set()
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = self._tasks + ([self._nodes_task] if self._nodes_task else [])
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks, self._nodes_task = [], None
 
     # -- view maintenance -----------------------------------------------------------------------
     async def _resync(self) -> int:
+        """Re-read everything under ``rdzv/`` (at start and after the watch fell behind)."""
         kvs, revision = await self.store.get_prefix(self.keys.rdzv)
         view = self.view
-        view.nodes.clear()
         view.requests.clear()
         view.round, view.job = None, None
         self.masters.clear()
+        self.decider, self.decider_lease = None, 0
         self.round_mod_revision = 0
         for kv in kvs:
             self._apply(WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease))
         self._touched()
         return revision
 
-    async def _watch(self, start: int) -> None:
+    async def _resync_nodes(self) -> int:
+        """Re-read every node record (on becoming the decider, and after its watch fell behind)."""
+        kvs, revision = await self.store.get_prefix(self.keys.nodes)
+        self.view.nodes.clear()
+        self.view.ready_since.clear()
+        self.view.changed_at = self.clock()
+        for kv in kvs:
+            self._apply(WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease))
+        self._touched()
+        return revision
+
+    async def _watch(self, prefix: str, start: int, resync: Callable[[], "asyncio.Future[int]"]) -> None:
         while True:
-            it = self.store.watch_prefix(self.keys.rdzv, start)
+            it = self.store.watch_prefix(prefix, start)
             try:
                 async for batch in it:
                     for ev in batch:
@@ -113,10 +148,10 @@ class Rendezvous:
                     start = batch[-1].revision + 1
                     self._touched()
             except WatchCompacted:
-                log.warning("rendezvous watch fell behind compaction; re-reading the job state")
-                start = await self._resync() + 1
+                log.warning("watch on %s fell behind compaction; re-reading it", prefix)
+                start = await resync() + 1
             except StoreError as exc:
-                log.warning("rendezvous watch failed (%s); retrying", exc)
+                log.warning("watch on %s failed (%s); retrying", prefix, exc)
                 await asyncio.sleep(0.2)
             finally:
                 await it.aclose()
@@ -136,6 +171,8 @@ class Rendezvous:
         key = ev.key
         view = self.view
         if key.startswith(self.keys.nodes):
+            if not self.deciding and self._nodes_task is None:
+                return  # a late event of a node watch this agent has stopped
             node_id = key[len(self.keys.nodes):]
             old = view.nodes.get(node_id)
             if ev.kind == "delete":
@@ -162,6 +199,11 @@ class Rendezvous:
                 self.round_mod_revision = ev.revision
                 view.waiting_since = None if view.round.active else (view.waiting_since or now)
                 view.changed_at = now
+        elif key == self.keys.decider:
+            if ev.kind == "delete":
+                self.decider, self.decider_lease = None, 0
+            else:
+                self.decider, self.decider_lease = decode(DeciderRecord, ev.value), ev.lease
         elif key.startswith(self.keys.requests):
             node_id = key[len(self.keys.requests):]
             if ev.kind == "delete":
@@ -177,11 +219,66 @@ class Rendezvous:
             if ev.kind == "put":
                 view.job = decode(JobState, ev.value)
 
-    # -- decisions ------------------------------------------------------------------------------
+    # -- the decider ----------------------------------------------------------------------------
+    def _holds_decider(self) -> bool:
+        mine = self.registration()
+        return (
+            mine is not None and self.decider is not None and self.decider_lease == mine[0]
+            and self.decider.node_id == self.node_id
+        )
+
+    async def _campaign(self) -> None:
+        """Take the decider key if it is free (create-if-absent under this agent's lease)."""
+        mine = self.registration()
+        if mine is None or self.decider is not None:
+            return
+        rec = DeciderRecord(self.node_id, mine[1], time.time())
+        res = await self.store.txn(
+            [Compare.absent(self.keys.decider)], [Put(self.keys.decider, encode(rec), lease=mine[0])]
+        )
+        if res.succeeded:
+            self._apply(WatchEvent("put", self.keys.decider, encode(rec), res.revision, res.revision, mine[0]))
+
+    async def _update_role(self) -> None:
+        holds = self._holds_decider()
+        if holds and not self.deciding:
+            self.deciding = True
+            try:
+                revision = await self._resync_nodes()
+            except BaseException:
+                self.deciding = False  # tried again on the next pass
+                self.view.nodes.clear()
+                raise
+            self._nodes_task = asyncio.create_task(
+                self._watch(self.keys.nodes, revision + 1, self._resync_nodes), name="rdzv-nodes-watch"
+            )
+            log.info("%s decides the rounds of job %s now (%d nodes registered)",
+                     self.node_id, self.keys.job_id, len(self.view.nodes))
+            self.on_event("decider", f"{self.node_id} decides rounds")
+        elif not holds and self.deciding:
+            self.deciding = False
+            task, self._nodes_task = self._nodes_task, None
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            self.view.nodes.clear()
+            self.view.ready_since.clear()
+            log.info("%s no longer decides rounds (the decider is now %s)", self.node_id,
+                     self.decider.node_id if self.decider else "nobody")
+
     async def _decide_loop(self) -> None:
         while True:
             self._wake.clear()
-            wake_at = await self._decide_once()
+            wake_at = None
+            try:
+                if self.decider is None:
+                    await self._campaign()
+                await self._update_role()
+                if self.deciding:
+                    wake_at = await self._decide_once()
+            except StoreError as exc:
+                log.warning("rendezvous step failed (%s); will retry", exc)
+                wake_at = self.clock() + 0.2
             timeout = None if wake_at is None else max(0.0, wake_at - self.clock())
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
@@ -194,34 +291,25 @@ class Rendezvous:
         if d.reason != self._last_reason:
             log.debug("rendezvous decision: %s (%s)", d.action.value, d.reason)
             self._last_reason = d.reason
-        try:
-            if d.action is Action.WRITE_ROUND:
-                return await self._maybe_write_round(now, d)
-            if d.action is Action.FAIL:
-                await self.write_job_state("failed", d.reason)
-            elif d.action is Action.SUCCEED:
-                await self.write_job_state("succeeded", d.reason)
-            elif d.action is Action.WAIT:
-                return d.wake_at
-        except StoreError as exc:
-            log.warning("rendezvous write failed (%s); will retry", exc)
-            return self.clock() + 0.2
+        if d.action is Action.WRITE_ROUND:
+            assert d.round is not None
+            await self._write_round(d.round)
+        elif d.action is Action.FAIL:
+            await self.write_job_state("failed", d.reason)
+        elif d.action is Action.SUCCEED:
+            await self.write_job_state("succeeded", d.reason)
+        elif d.action is Action.WAIT:
+            return d.wake_at
         return None
 
-    async def _maybe_write_round(self, now: float, d: Decision) -> float | None:
-        assert d.round is not None
-        writer = proposer(d, self.view)
-        if writer is not None and writer != self.node_id:
-            since = self._pending_since.setdefault(d.round.round, now)
-            if now < since + self.backup_delay:
-                return since + self.backup_delay
-        await self._write_round(d.round)
-        return None
+    def _decider_fence(self) -> list[Compare]:
+        """The condition every decider write carries: the decider key is still under our lease."""
+        return [Compare(self.keys.decider, "lease", "==", self.decider_lease)]
 
     async def _write_round(self, new: RoundRecord) -> bool:
         new = dataclasses.replace(new, created=time.time(), writer=self.node_id)
         res = await self.store.txn(
-            [Compare.mod_revision(self.keys.round, self.round_mod_revision)],
+            [Compare.mod_revision(self.keys.round, self.round_mod_revision), *self._decider_fence()],
             [
                 Put(self.keys.round, encode(new)),
                 Delete(self.keys.requests, prefix=True),
@@ -244,7 +332,9 @@ class Rendezvous:
         """Record the job's terminal state (only the first writer wins)."""
         rnd = self.view.round.round if self.view.round else 0
         body = JobState(state=state, reason=reason, round=rnd, time=time.time())  # type: ignore[arg-type]
-        res = await self.store.txn([Compare.absent(self.keys.state)], [Put(self.keys.state, encode(body))])
+        res = await self.store.txn(
+            [Compare.absent(self.keys.state), *self._decider_fence()], [Put(self.keys.state, encode(body))]
+        )
         if res.succeeded:
             log.info("job %s: %s", state, reason)
             self.on_event(state, reason)

@@ -11,7 +11,8 @@ death is simulated the way a peer's agent reacts to one, by revoking its lease.
 Run as ``python -m ftrt.agents.sim --etcd HOST:PORT --job-id J --nodes 0:64 --max-nodes 256``: it
 connects every node's client, prints ``{"event": "connected"}`` and then reads commands on
 stdin, one per line: ``join`` (every node registers at once and runs its rendezvous), ``kill
-NODE_ID`` (revoke that node's lease and stop it), ``quit``. Events go to stdout as JSON lines:
+NODE_ID`` (revoke that node's lease and stop it), ``kill-decider`` (the same for the job's decider,
+if it is one of this process's nodes), ``quit``. Events go to stdout as JSON lines:
 ``registered`` (a node's key is written) and ``round`` (a node saw a new active round; with the
 round number, world size and the node's ranks). Times are ``time.time()``, comparable across the
 processes of one machine.
@@ -80,7 +81,8 @@ class SimNode:
                          agent_addr="sim:0", nproc=1, ready=True, pid=os.getpid(), started=time.time())
         await register(self.store, self.keys, rec, self.session.lease_id)
         self.emit({"event": "registered", "node": self.node_id, "t": time.time()})
-        self.rdzv = Rendezvous(self.store, self.keys, self.node_id, self.cfg, on_change=self._changed)
+        self.rdzv = Rendezvous(self.store, self.keys, self.node_id, self.cfg, on_change=self._changed,
+                               registration=lambda: (self.session.lease_id, rec.incarnation))
         await self.rdzv.start()
         self._changed()
 
@@ -131,6 +133,12 @@ async def _main(args: argparse.Namespace) -> int:
             t = time.time()
             await alive.pop(arg).die()
             emit({"event": "killed", "node": arg, "t": t})
+        elif cmd == "kill-decider":
+            for node_id, node in list(alive.items()):
+                if node.rdzv is not None and node.rdzv.deciding:
+                    t = time.time()
+                    await alive.pop(node_id).die()
+                    emit({"event": "killed", "node": node_id, "decider": True, "t": t})
     await asyncio.gather(*(n.die() for n in alive.values()), return_exceptions=True)
     return 0
 

@@ -14,7 +14,8 @@ import time
 
 from ftrt.agents.events import recent_events
 from ftrt.agents.keys import JobKeys, check_id
-from ftrt.agents.records import JobState, NodeRecord, RoundRecord, decode
+from ftrt.agents.records import DeciderRecord, JobState, NodeRecord, RoundRecord, decode
+from ftrt.store.api import Get
 from ftrt.store.etcd import EtcdStore
 
 
@@ -23,18 +24,21 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
     keys = JobKeys(job_id)
     store = EtcdStore(endpoints, timeout=timeout)
     try:
-        kvs, _ = await store.get_prefix(keys.rdzv)
+        res = await store.txn([], [Get(keys.nodes, prefix=True), Get(keys.rdzv, prefix=True)])
         nodes: dict[str, NodeRecord] = {}
         rnd: RoundRecord | None = None
         job: JobState | None = None
-        for kv in kvs:
-            if kv.key.startswith(keys.nodes):
-                rec = decode(NodeRecord, kv.value)
-                nodes[rec.node_id] = rec
-            elif kv.key == keys.round:
+        decider: str | None = None
+        for kv in res.results[0]:
+            rec = decode(NodeRecord, kv.value)
+            nodes[rec.node_id] = rec
+        for kv in res.results[1]:
+            if kv.key == keys.round:
                 rnd = decode(RoundRecord, kv.value)
             elif kv.key == keys.state:
                 job = decode(JobState, kv.value)
+            elif kv.key == keys.decider:
+                decider = decode(DeciderRecord, kv.value).node_id
         log = await recent_events(store, keys, events)
         ptr_kv, _ = await store.get(keys.ckpt + "latest")
         latest = json.loads(ptr_kv.value) if ptr_kv else None
@@ -53,6 +57,7 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
         "job": dataclasses.asdict(job) if job else None,
         "round": dataclasses.asdict(rnd) if rnd else None,
         "world_size": rnd.world_size if rnd else 0,
+        "decider": decider,
         "nodes": {nid: dataclasses.asdict(n) for nid, n in sorted(nodes.items())},
         "workers": workers,
         "latest_checkpoint": latest,
@@ -90,6 +95,7 @@ def render(st: dict) -> str:
             f"round {rnd['round']}: world size {st['world_size']}, {len(rnd['members'])} node(s), "
             f"failure restarts {rnd['restart_count']}; written {created} by {rnd['writer'] or '?'}: {rnd['reason']}"
         )
+        lines.append(f"decider: {st['decider'] or 'none (being elected)'}")
         lines.append("members (rank order):")
         offset = 0
         for i, m in enumerate(rnd["members"]):

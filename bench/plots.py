@@ -49,12 +49,12 @@ def rdzv_scale_png(result: dict, path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for r in result["results"]:
-        for phase in ("join", "loss"):
+        for phase in ("join", "loss", "decider_loss"):
             if (v := r.get(f"{phase}_s")) is not None:
-                series.setdefault((r["system"], phase), []).append((r["nodes"], v))
+                series.setdefault((r["system"], phase.replace("_", " ")), []).append((r["nodes"], v))
     for (system, phase), pts in sorted(series.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls="-" if phase == "join" else "--",
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls={"join": "-", "loss": "--"}.get(phase, ":"),
                 color=COLORS.get(system), label=f"{system} {phase}")
     sizes = sorted({r["nodes"] for r in result["results"]})
     ax.axhline(2.0, color="tab:red", lw=0.8, ls=":", label="target: 256 nodes join in 2 s")

@@ -10,6 +10,7 @@ Measured:
 - ``loss``: one node's lease is revoked (what a peer does when it finds a node dead; detection
   itself is measured by ``python -m bench recovery``); time until every survivor holds the round
   of N-1;
+- ``decider loss``: the same for the node that decides rounds (another must take over first);
 - etcd's own counters (its ``/metrics``) over each phase: client requests (unary RPCs and watch
   creations; lease keep-alives apart, they depend on time, not rounds) and watch events sent.
 
@@ -148,7 +149,7 @@ def run_ftrt(n: int, procs: int, endpoint: str, cap: float) -> dict:
         assert ranks == list(range(n)), "every rank must be given exactly once"
         out.update(join_s=round(max(agreed) - t0, 3), after_last_join_s=round(max(agreed) - max(registered), 3),
                    join_etcd=_delta(c0, c1))
-        time.sleep(1.0)  # let the backup proposers' timers pass before the loss
+        time.sleep(1.0)  # a quiet second between the phases
         victim = n // 2
         owner = next(i for i, (lo, hi) in enumerate(slices) if lo <= victim < hi)
         c2 = etcd_counters(endpoint)
@@ -162,6 +163,17 @@ def run_ftrt(n: int, procs: int, endpoint: str, cap: float) -> dict:
             out["note"] = f"only {len(after)} of {n - 1} survivors held the new round within {cap:.0f} s"
         else:
             out.update(loss_s=round(max(after) - killed[0], 3), loss_etcd=_delta(c2, c3))
+        time.sleep(1.0)
+        for p in ps:
+            p.send("kill-decider")
+        got = _collect(events, lambda g: sum(e["event"] == "round" and e["world"] == n - 2 for e in g) >= n - 2, cap)
+        killed = [e for e in got if e["event"] == "killed"]
+        after = [e["t"] for e in got if e["event"] == "round" and e["world"] == n - 2]
+        if not killed or len(after) < n - 2:
+            out["decider_loss_s"] = None
+            out["note"] = f"only {len(after)} of {n - 2} survivors held the round after the decider's loss"
+        else:
+            out.update(decider_loss_s=round(max(after) - killed[0]["t"], 3), decider=killed[0]["node"])
         return out
     finally:
         for p in ps:
@@ -315,7 +327,7 @@ def main(argv: list[str]) -> int:
 def _table(results: list[dict]) -> None:
     by = {(r["system"], r["nodes"]): r for r in results}
     print(f"\n{'nodes':>5} | {'join: ftrt':>10} {'c10d best':>10} {'c10d dflt':>10} | {'loss: ftrt':>10} "
-          f"{'c10d best':>10} {'c10d dflt':>10} | {'etcd req':>8} {'per node':>8} {'watch events':>12}")
+          f"{'c10d best':>10} {'c10d dflt':>10} | {'decider':>9} | {'etcd req':>8} {'per node':>8} {'watch events':>12}")
     for n in sorted({r["nodes"] for r in results}):
         f = by.get(("ftrt", n), {})
         row = [f"{n:>5} |"]
@@ -328,11 +340,13 @@ def _table(results: list[dict]) -> None:
                     f"{v:.2f}s" + (f" {v / f[key]:.0f}x" if f.get(key) else "")
                 row.append(f"{cell:>10}")
             row.append("|")
+        row.append(f"{_fmt(f.get('decider_loss_s')) if f else 'not run':>9} |")
         req = f.get("join_etcd", {}).get("requests")
         row.append(f"{req if req is not None else 'n/a':>8} {req / n if req else 0:>8.1f} "
                    f"{f.get('join_etcd', {}).get('watch_events', 'n/a'):>12}")
         print(" ".join(row))
     print("(Nx: that run's time / ftrt's; c10d best: last_call 1 s, keep-alive 1 s x 3; default: 30 s, 5 s x 3; "
+          "decider: ftrt's loss of the node that decides rounds; "
           "etcd requests of the join, lease keep-alives apart)")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ftrt.agents.decide import Action, RendezvousConfig, View, decide_round, proposer
+from ftrt.agents.decide import Action, RendezvousConfig, View, decide_round
 from ftrt.agents.records import JobState, Member, NodeRecord, RestartRequest, RoundRecord
 
 
@@ -77,7 +77,16 @@ def test_loss_of_rank_zero_promotes_the_next_survivor():
     v = view_of(B, C, round_=R1, changed_at=0.0)
     d = decide_round(1.0, v, CFG)
     assert d.round.node_ids == ["b", "c"]
-    assert proposer(d, v) == "b"
+
+
+def test_round_members_carry_what_peers_need_without_the_node_records():
+    # Only the decider reads node records; the others monitor and revoke from the round alone.
+    a, b, c = (replace(n, agent_addr=f"10.0.0.{i}:7000", lease=40 + i) for i, n in enumerate((A, B, C)))
+    d = decide_round(0.0, view_of(a, b, c), CFG)
+    assert [(m.agent_addr, m.lease) for m in d.round.members] == [(f"10.0.0.{i}:7000", 40 + i) for i in range(3)]
+    d = decide_round(1.0, view_of(b, c, round_=d.round, changed_at=0.0), CFG)
+    assert [(m.node_id, m.agent_addr, m.lease) for m in d.round.members] == [("b", "10.0.0.1:7000", 41),
+                                                                          ("c", "10.0.0.2:7000", 42)]
 
 
 def test_member_back_with_new_incarnation_counts_as_lost_and_rejoins_as_newcomer():

@@ -1,5 +1,6 @@
-"""Simulation mode (ftrt.agents.sim) on a real etcd: many simulated agents agree, shrink, and the
-rendezvous bench's counters and process protocol work end to end at a small size."""
+"""Simulation mode (ftrt.agents.sim) on a real etcd: many simulated agents agree, shrink (also when
+the decider is the node lost), and the rendezvous bench's counters and process protocol work end
+to end at a small size."""
 
 from __future__ import annotations
 
@@ -35,7 +36,20 @@ def test_sim_nodes_agree_on_one_round_and_shrink_when_one_dies(etcd_endpoint, jo
         await until(lambda: len(shrunk()) == 11)
         assert "sim5" not in {e["node"] for e in shrunk()}
         assert sorted(r for e in shrunk() for r in e["ranks"]) == list(range(11))
-        await asyncio.gather(*(n.die() for i, n in enumerate(nodes) if i != 5))
+        # Exactly one node decides; only it holds the node records.
+        deciders = [n for n in nodes if n.rdzv.deciding]
+        assert len(deciders) == 1 and len(deciders[0].rdzv.view.nodes) == 11
+        assert all(not n.rdzv.view.nodes for n in nodes if n is not deciders[0])
+        # The decider's loss: another node takes over and writes the round without it.
+        lost = deciders[0]
+        await lost.die()
+        alive = [n for n in nodes if n is not lost and n is not nodes[5]]
+        again = lambda: [e for e in events if e["event"] == "round" and e["world"] == 10]  # noqa: E731
+        await until(lambda: len(again()) == 10)
+        assert lost.node_id not in {e["node"] for e in again()}
+        assert sorted(r for e in again() for r in e["ranks"]) == list(range(10))
+        await until(lambda: sum(n.rdzv.deciding for n in alive) == 1)
+        await asyncio.gather(*(n.die() for n in alive))
 
     asyncio.run(go())
 
@@ -52,7 +66,8 @@ def test_rdzv_scale_bench_runs_both_systems_at_a_small_size(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = {(r["system"], r["nodes"]): r for r in json.loads(out.read_text())["results"]}
     ftrt, c10d = data[("ftrt", 8)], data[("c10d best", 8)]
-    assert ftrt["join_s"] and ftrt["loss_s"] and c10d["join_s"] and c10d["loss_s"], (ftrt, c10d)
+    assert ftrt["join_s"] and ftrt["loss_s"] and ftrt["decider_loss_s"], ftrt
+    assert c10d["join_s"] and c10d["loss_s"], c10d
     # One lease grant and one registration per node, a few round writes: linear in nodes.
     assert 8 * 2 <= ftrt["join_etcd"]["requests"] <= 8 * 8, ftrt["join_etcd"]
     assert "c10d best" in res.stdout and ("c10d default", 8) not in data
