@@ -84,7 +84,9 @@ class LaunchConfig(BaseModel):
         "Sharded ranks are copied after every checkpoint.",
     )
     peer_check_interval: float = Field(
-        0.5, gt=0, description="Seconds between liveness beats on the streams to peer agents."
+        5.0, gt=0, description="Seconds between liveness beats on the streams to peer agents. A dead "
+        "peer is seen when its stream's connection closes, not from missing beats; the beats only keep "
+        "the stream in use, so they can be rare (each one wakes both agents on a busy node)."
     )
 
     @field_validator("job_id")

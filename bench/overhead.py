@@ -109,12 +109,16 @@ def summarize(rows: list[dict], systems: list[str], reps: int) -> dict:
 
 def render(summary: dict) -> str:
     base = summary["torchrun"]["median_step_s"]
-    lines = [f"{'system':<12}{'step time (median)':>20}{'runs':>30}{'ratio':>8}{'pairs':>26}"]
+    lines = [f"{'system':<12}{'step time (median)':>20}  {'runs':<40}{'ratio':>7}  pairs"]
     for system, s in summary.items():
         runs = " ".join(f"{v * 1000:.1f}" for v in s["runs"])
         ratio = f"{s['median_step_s'] / base:.3f}" if system != "torchrun" else "1"
         pairs = " ".join(f"{v:.3f}" for v in s.get("pair_ratios", []))
-        lines.append(f"{system:<12}{s['median_step_s'] * 1000:>17.1f} ms{runs:>30}{ratio:>8}{pairs:>26}")
+        lines.append(f"{system:<12}{s['median_step_s'] * 1000:>17.1f} ms  {runs:<40}{ratio:>7}  {pairs}")
+    for system, s in summary.items():
+        if "pair_ratios" in s:
+            lines.append(f"{system}: median of the pair ratios {s['median_pair_ratio']:.3f}, "
+                         f"mean {statistics.mean(s['pair_ratios']):.3f}")
     lines.append("(runs in ms per step; ratio: median step time over torchrun's; pairs: each repeat's ratio; "
                  "target for ftrt: <= 1.02)")
     return "\n".join(lines)
