@@ -239,16 +239,22 @@ class Agent:
             self.record = await register(self.store, self.keys, rec, self.session.lease_id)
         except Taken as taken:
             holder = taken.holder
-            if not await tcp_refused(holder.agent_addr):
+            if holder.pid == os.getpid() and holder.agent_addr == self.agent_addr:
+                # Our own earlier registration: a rejoin whose lease we gave up for lost although
+                # etcd still holds it. Drop it and register again.
+                self.log.warning("node id %s is still held by this agent's previous lease; replacing it",
+                                 cfg.node_id)
+            elif not await tcp_refused(holder.agent_addr):
                 await self.session.close()
                 raise NodeIdConflict(
                     f"Node id {cfg.node_id!r} is already held in job {cfg.job_id!r} by a live agent "
                     f"(pid {holder.pid} at {holder.agent_addr}). Give this agent another --node-id."
                 ) from None
-            self.log.warning(
-                "node id %s was held by a dead agent (pid %d at %s); taking it over",
-                cfg.node_id, holder.pid, holder.agent_addr,
-            )
+            else:
+                self.log.warning(
+                    "node id %s was held by a dead agent (pid %d at %s); taking it over",
+                    cfg.node_id, holder.pid, holder.agent_addr,
+                )
             await self.store.revoke_lease(holder.lease)
             self.record = await register(self.store, self.keys, rec, self.session.lease_id)
         if not self.record.ready:

@@ -233,9 +233,8 @@ class Checkpointer:
         failing storage), this one does not queue behind it, which would soon make training wait
         for a staging slot; it is a memory checkpoint only (with a memory tier) or skipped
         (``handle.skipped``). A memory checkpoint whose slot is still being written to storage is
-        skipped too (the newest complete one stays). Every rank must pass the same value; for a
-        storage save the ranks agree with one small collective, so all of them skip or none does
-        (a memory-only save decides locally: restore takes the newest step every rank holds).
+        skipped too (the newest complete one stays). Every rank must pass the same value: the ranks
+        agree with one small collective, so all of them skip or none does.
         """
         if self._closed:
             raise ConfigError("This Checkpointer is closed; create a new one to save again.")
@@ -246,11 +245,11 @@ class Checkpointer:
         avoid = self._arena.current_slot() if self._arena is not None else None
         if skip_if_busy:
             writing = persist and any(h.persisting and not h.done() for h in self._pending)
-            no_slot = not self._stager.has_free(avoid)
-            if persist:  # a storage save is collective: every rank must take the same branch
-                writing, no_slot = self._any_rank(writing, no_slot)
-            # A memory-only save needs no agreement: a step some ranks skipped is simply not
-            # chosen at restore (memtier.choose takes the newest step the ranks' copies cover).
+            # Also for memory-only saves: the collective is a barrier, so no rank's copy of this
+            # step exists before every rank got here (a trainer's record of the step written
+            # before saving, e.g. ftrt.grpo's metrics line, can then never be missing for a step
+            # restore resumes after; the chaos ledger caught that once when it was skipped).
+            writing, no_slot = self._any_rank(writing, not self._stager.has_free(avoid))
             if writing:
                 log.info("checkpoint step %d: an earlier save is still writing to storage; %s", step,
                          "memory copy only" if self._arena is not None else "skipped")
