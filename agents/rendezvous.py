@@ -122,9 +122,7 @@ class Rendezvous:
         self.masters.clear()
         self.decider, self.decider_lease = None, 0
         self.round_mod_revision = 0
-        for kv in kvs:
-            self._apply(WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease))
-        self._touched()
+        self._apply_all(kvs)
         return revision
 
     async def _resync_nodes(self) -> int:
@@ -133,10 +131,14 @@ class Rendezvous:
         self.view.nodes.clear()
         self.view.ready_since.clear()
         self.view.changed_at = self.clock()
+        self._apply_all(kvs)
+        return revision
+
+    def _apply_all(self, kvs) -> None:
+        """Fold a read's key-values into the view as if they had just been put."""
         for kv in kvs:
             self._apply(WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease))
         self._touched()
-        return revision
 
     async def _watch(self, prefix: str, start: int, resync: Callable[[], "asyncio.Future[int]"]) -> None:
         while True:
@@ -171,7 +173,7 @@ class Rendezvous:
         key = ev.key
         view = self.view
         if key.startswith(self.keys.nodes):
-            if not self.deciding and self._nodes_task is None:
+            if not self.deciding:
                 return  # a late event of a node watch this agent has stopped
             node_id = key[len(self.keys.nodes):]
             old = view.nodes.get(node_id)
