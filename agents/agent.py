@@ -57,7 +57,7 @@ from ftrt.errors import (
 )
 from ftrt.store.api import Store
 from ftrt.store.etcd import EtcdStore, parse_endpoints
-from ftrt.store.etcd_server import COLOCATED_GOMAXPROCS, EtcdServer
+from ftrt.store.etcd_server import EtcdServer
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class Agent:
     async def _connect(self) -> str:
         cfg = self.cfg
         if cfg.standalone:
-            self._etcd = EtcdServer(name=f"ftrt-{cfg.job_id}", unsafe_no_fsync=True, gomaxprocs=COLOCATED_GOMAXPROCS)
+            self._etcd = EtcdServer(name=f"ftrt-{cfg.job_id}", unsafe_no_fsync=True)
             await asyncio.to_thread(self._etcd.start)
             endpoints = self._etcd.endpoint
             self.log.info("standalone: embedded etcd on %s", endpoints)

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from ftrt.chaos.local import LocalNode, StepLog, wait_until
-from ftrt.store.etcd_server import COLOCATED_GOMAXPROCS, EtcdServer, free_port
+from ftrt.store.etcd_server import EtcdServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "ftrt" / "examples" / "ddp_steps.py"
@@ -67,8 +67,7 @@ class Cluster:
             self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         self._etcd: EtcdServer | None = None
         if system == "ftrt":
-            # etcd shares the nodes' cores here, as an embedded one does (--standalone).
-            self._etcd = EtcdServer(name="bench", unsafe_no_fsync=True, gomaxprocs=COLOCATED_GOMAXPROCS).start()
+            self._etcd = EtcdServer(name="bench", unsafe_no_fsync=True).start()
         else:
             self._port = free_port()
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ftrt.chaos.local import LocalNode, read_jsonl, wait_until
 from ftrt.errors import FtrtError
-from ftrt.store.etcd_server import COLOCATED_GOMAXPROCS, EtcdServer
+from ftrt.store.etcd_server import EtcdServer
 
 
 def _say(msg: str) -> None:
@@ -54,8 +54,7 @@ def run_demo(out: Path, *, nodes: int = 3, steps: int = 150, kill_at: int | None
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     started = time.time()
-    etcd = EtcdServer(name="ftrt-demo", unsafe_no_fsync=True, log_path=str(out / "etcd.log"),
-                      gomaxprocs=COLOCATED_GOMAXPROCS).start()
+    etcd = EtcdServer(name="ftrt-demo", unsafe_no_fsync=True, log_path=str(out / "etcd.log")).start()
     _say(f"embedded etcd on {etcd.endpoint}; starting {nodes} agents (nodes), one GRPO worker each")
     launch = [
         "--etcd", etcd.endpoint, "--job-id", "demo", "--nnodes", f"2:{nodes}", "--lease-ttl", "2",

@@ -21,14 +21,11 @@ def etcd_main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=2379, help="client port (default 2379; 0 picks a free one)")
     parser.add_argument("--peer-port", type=int, default=0, help="peer port (default: a free one)")
     parser.add_argument("--name", default="ftrt-etcd", help="member name")
-    parser.add_argument("--gomaxprocs", type=int, default=None,
-                        help="threads running etcd's Go code at once (default: Go's, one per core); "
-                             "1 when this member shares a node with training processes")
     parser.add_argument("--etcd-bin", default=None, help="etcd binary (default: the bundled one, then PATH)")
     args = parser.parse_args(argv)
     server = EtcdServer(
         name=args.name, data_dir=args.data_dir, host=args.host, client_port=args.port,
-        peer_port=args.peer_port, binary=args.etcd_bin, gomaxprocs=args.gomaxprocs,
+        peer_port=args.peer_port, binary=args.etcd_bin,
     )
     stop = False
 

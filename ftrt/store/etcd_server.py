@@ -60,11 +60,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-COLOCATED_GOMAXPROCS = 1
-"""``gomaxprocs`` for an etcd member ftrt starts beside training processes (``--standalone``,
-``ftrt demo``, the benchmarks' local etcd): see :class:`EtcdServer`."""
-
-
 @dataclass
 class EtcdServer:
     """One etcd member as a child process.
@@ -78,11 +73,6 @@ class EtcdServer:
         election_timeout_ms / heartbeat_ms: raft timing; 500/100 gives ~1 s lease granularity and
             quick leader elections while waking etcd less often than 50 ms ticks would.
         unsafe_no_fsync: skip fsync (for throwaway data: tests, ``--standalone``).
-        gomaxprocs: how many threads run etcd's Go code at once (``GOMAXPROCS``); None keeps Go's
-            default (one per core). 1 suits a member that shares a training node's cores: one
-            job's coordination traffic needs a small part of one core, and with fewer Go threads
-            etcd wakes less often and preempts the training processes less (idle here: ~95
-            wake-ups a second instead of ~155; under a 2-node job's leases ~220 instead of ~330).
     """
 
     name: str = "ftrt-etcd"
@@ -95,7 +85,6 @@ class EtcdServer:
     election_timeout_ms: int = 500
     heartbeat_ms: int = 100
     unsafe_no_fsync: bool = False
-    gomaxprocs: int | None = None
     binary: str | None = None
     log_path: str | None = None
     extra_args: Sequence[str] = ()
@@ -104,8 +93,6 @@ class EtcdServer:
     _log_file: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.gomaxprocs is not None and self.gomaxprocs < 1:
-            raise ConfigError(f"gomaxprocs={self.gomaxprocs!r}: give 1 or more threads, or None for Go's default.")
         if not self.client_port:
             self.client_port = free_port(self.host)
         if not self.peer_port:
@@ -158,10 +145,9 @@ class EtcdServer:
             out = self._log_file
         else:
             out = subprocess.DEVNULL
-        env = None if self.gomaxprocs is None else {**os.environ, "GOMAXPROCS": str(self.gomaxprocs)}
         self.proc = subprocess.Popen(
             self.command(), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-            start_new_session=True, env=env,
+            start_new_session=True,
         )
         if wait:
             self.wait_ready(timeout)

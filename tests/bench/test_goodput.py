@@ -37,3 +37,14 @@ def test_overhead_ratio_is_against_torchrun_run_by_run():
     s = overhead_summary(rows, ["torchrun", "ftrt"], 2)
     assert s["ftrt"]["pair_ratios"] == [1.05, 0.95]
     assert s["ftrt"]["ratio"] == pytest.approx(1.0)
+
+
+def test_overhead_verdict_follows_the_interval_of_the_median_pair():
+    from bench.overhead import median_interval, verdict
+
+    lo, hi = median_interval([1.00, 1.01, 1.01, 1.00, 1.015])
+    assert 1.0 <= lo <= hi <= 1.015 and "met" in verdict(lo, hi) and "not" not in verdict(lo, hi)
+    lo, hi = median_interval([1.05, 1.04, 1.06, 1.03, 1.05])
+    assert lo > 1.02 and verdict(lo, hi).startswith("not met")
+    lo, hi = median_interval([0.99, 1.07, 1.01, 1.04, 1.02])
+    assert lo <= 1.02 < hi and verdict(lo, hi).startswith("not settled")

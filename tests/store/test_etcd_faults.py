@@ -91,14 +91,3 @@ def test_bad_endpoints_are_rejected_naming_the_value(spec):
 def test_endpoints_accept_lists_and_http_prefix():
     assert parse_endpoints("http://127.0.0.1:2379, localhost:2380") == [
         ("127.0.0.1", 2379), ("localhost", 2380)]
-
-
-def test_gomaxprocs_reaches_the_etcd_process_and_bad_values_are_refused():
-    from ftrt.store.etcd_server import EtcdServer
-
-    with pytest.raises(ConfigError, match="gomaxprocs=0"):
-        EtcdServer(name="bad", gomaxprocs=0)
-    with EtcdServer(name="one-proc", unsafe_no_fsync=True, gomaxprocs=1) as server:
-        env = open(f"/proc/{server.proc.pid}/environ", "rb").read().split(b"\0")
-        assert b"GOMAXPROCS=1" in env
-        assert server.healthy(timeout=2.0)
