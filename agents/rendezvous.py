@@ -111,6 +111,7 @@ class Rendezvous:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks, self._nodes_task = [], None
+        self.deciding = False  # a closed rendezvous decides nothing (its decider key goes with its lease)
 
     # -- view maintenance -----------------------------------------------------------------------
     async def _resync(self) -> int:
