@@ -34,7 +34,7 @@ def test_longest_gap_runs_from_the_fault_to_the_end_of_its_window():
 def test_overhead_ratio_is_against_torchrun_run_by_run():
     rows = [{"system": "torchrun", "rep": 0, "step_s": 0.20}, {"system": "ftrt", "rep": 0, "step_s": 0.21},
             {"system": "ftrt", "rep": 1, "step_s": 0.19}, {"system": "torchrun", "rep": 1, "step_s": 0.20}]
-    s = overhead_summary(rows, ["torchrun", "ftrt"], 2)
+    s = overhead_summary(rows, ["torchrun", "ftrt"])
     assert s["ftrt"]["pair_ratios"] == [1.05, 0.95]
     assert s["ftrt"]["ratio"] == pytest.approx(1.0)
 
