@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import schedtrace
 from bench.goodput import add_job_options, job_config, save_result
 from bench.recovery import Cluster
 from ftrt.chaos.local import read_jsonl
@@ -36,12 +37,13 @@ TARGET = 1.02
 """ftrt's step time over torchrun's that issue 6 asks for at most."""
 
 
-def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict) -> dict:
+def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict, trace_s: float = 0.0) -> dict:
     """Train ``steps`` steps on a fresh 2-node cluster; return the steady step time.
 
     The steady window starts after ``warmup`` steps and, under ftrt, once every agent's spare
     workers are warm: starting them (importing torch, ~10 s of CPU here) happens once per job and
-    per membership change, not per step.
+    per membership change, not per step. With ``trace_s``, the context switches of ``trace_s``
+    seconds of that window are recorded and attributed (:func:`sched_breakdown`).
     """
     work = Path(tempfile.mkdtemp(prefix=f"bench-overhead-{system}-"))
     metrics = work / "metrics.jsonl"
@@ -49,6 +51,7 @@ def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict
                  "checkpoint.interval": ckpt_every, "checkpoint.memory_every": 0 if system == "ftrt-nomem" else 1}
     c = Cluster("torchrun" if system == "torchrun" else "ftrt", work, nnodes="2")
     warm_at = None
+    sched = None
     try:
         t0 = time.time()
         for name in ("n0", "n1"):
@@ -57,6 +60,8 @@ def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict
         while any(n.alive() for n in c.nodes.values()):
             if warm_at is None and (c.system == "torchrun" or all(n.spares_warm() for n in c.nodes.values())):
                 warm_at = time.time()
+            if trace_s and sched is None and warm_at is not None and _logged(metrics) > warmup:
+                sched = sched_breakdown(c, trace_s)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{system}: the job did not end within {deadline:.0f} s; its logs are in {work}")
             time.sleep(0.1)
@@ -75,18 +80,58 @@ def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict
         raise RuntimeError(f"{system}: only {len(steady)} steps ran after warm-up (spares warm at step {start}); "
                            f"give more --steps")
     per_step = (steady[-1]["time"] - steady[0]["time"]) / (len(steady) - 1)
-    return {"system": system, "step_s": round(per_step, 5),
-            "median_compute_s": round(statistics.median(x["step_s"] for x in steady), 5),
-            "longest_step_gap_s": round(max(b["time"] - a["time"] for a, b in zip(steady, steady[1:])), 3),
-            "steps": steps, "measured_from": start, "wall_s": round(wall, 1)}
+    out = {"system": system, "step_s": round(per_step, 5),
+           "median_compute_s": round(statistics.median(x["step_s"] for x in steady), 5),
+           "longest_step_gap_s": round(max(b["time"] - a["time"] for a, b in zip(steady, steady[1:])), 3),
+           "steps": steps, "measured_from": start, "wall_s": round(wall, 1)}
+    if trace_s:
+        if sched is None:
+            raise RuntimeError(f"{system}: the job ended before its scheduler trace was taken; give more --steps")
+        out["sched"] = sched
+    return out
 
 
-def run(systems: list[str], reps: int, steps: int, warmup: int, ckpt_every: int, grpo: dict) -> dict:
+def _logged(metrics: Path) -> int:
+    try:
+        with open(metrics, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def sched_breakdown(c: Cluster, seconds: float) -> dict:
+    """Record ``seconds`` of context switches now and attribute them (:mod:`bench.schedtrace`).
+
+    Groups: the workers' main threads (whose preemptions count), their other threads, the node
+    agents (ftrt's or torchrun's), spare workers, etcd, and everything else on the machine. The
+    workers are, per node, the descendant that used the most CPU during the capture.
+    """
+    roots = [n.pid for n in c.nodes.values()]
+    below = {r: n.tree()[1:] for r, n in zip(roots, c.nodes.values())}
+    before = {p: schedtrace.cpu_ticks(p) for ps in below.values() for p in ps}
+    groups: dict[int, str] = {}
+    for pid in (p for ps in below.values() for p in ps):
+        groups.update(dict.fromkeys(schedtrace.threads(pid), "spares"))
+    for root in roots:
+        groups.update(dict.fromkeys(schedtrace.threads(root), "agents"))
+    if c.etcd_pid is not None:
+        groups.update(dict.fromkeys(schedtrace.threads(c.etcd_pid), "etcd"))
+    text = schedtrace.capture(seconds)
+    for root, ps in below.items():
+        if ps:
+            worker = max(ps, key=lambda p: schedtrace.cpu_ticks(p) - before[p])
+            groups.update(dict.fromkeys(schedtrace.threads(worker), "worker threads"))
+            groups[worker] = schedtrace.WORKER
+    return schedtrace.attribute(schedtrace.parse(text), groups)
+
+
+def run(systems: list[str], reps: int, steps: int, warmup: int, ckpt_every: int, grpo: dict,
+        trace_s: float = 0.0) -> dict:
     rows = []
     for rep in range(reps):
         order = systems if rep % 2 == 0 else systems[::-1]
         for system in order:
-            r = run_one(system, steps=steps, warmup=warmup, ckpt_every=ckpt_every, grpo=grpo)
+            r = run_one(system, steps=steps, warmup=warmup, ckpt_every=ckpt_every, grpo=grpo, trace_s=trace_s)
             r["rep"] = rep
             rows.append(r)
             print(json.dumps(r), flush=True)
@@ -129,7 +174,23 @@ def summarize(rows: list[dict], systems: list[str]) -> dict:
                        "ratio": round(statistics.median(mine) / statistics.median(base), 4),
                        "median_pair_ratio": round(statistics.median(pairs), 4),
                        "median_pair_ratio_90": [round(v, 4) for v in median_interval(pairs)]}
+    for system in systems:
+        traced = [r["sched"] for r in rows if r["system"] == system and "sched" in r]
+        if traced:
+            out[system]["sched"] = mean_sched(traced)
     return out
+
+
+def mean_sched(traces: list[dict]) -> dict:
+    """The mean over runs of each scheduler-trace number (a group missing from a run counts 0)."""
+    def mean_by(key: str) -> dict:
+        names = dict.fromkeys(g for t in traces for g in t[key])
+        return {g: round(statistics.mean(t[key].get(g, 0.0) for t in traces), 2) for g in names}
+
+    return {"runs": len(traces),
+            "worker_preempted_ms_per_s": round(statistics.mean(t["worker_preempted_ms_per_s"] for t in traces), 2),
+            "preemptions_per_s": round(statistics.mean(t["preemptions_per_s"] for t in traces), 1),
+            "preemptions_per_s_by": mean_by("preemptions_per_s_by"), "cpu_ms_per_s_by": mean_by("cpu_ms_per_s_by")}
 
 
 def render(summary: dict) -> str:
@@ -148,6 +209,16 @@ def render(summary: dict) -> str:
                          f"target {verdict(lo, hi)}")
     lines.append("(runs in ms per step; ratio: median step time over torchrun's; pairs: each repeat's ratio; "
                  f"target for ftrt: <= {TARGET})")
+    traced = {system: s["sched"] for system, s in summary.items() if "sched" in s}
+    if traced:
+        lines.append("")
+        lines.append("Scheduler trace of the workers' main threads (mean over runs; per second of training, both workers):")
+        for system, t in traced.items():
+            by = ", ".join(f"{g} {n:.0f}" for g, n in t["preemptions_per_s_by"].items())
+            cpu = ", ".join(f"{g} {ms:.1f}" for g, ms in t["cpu_ms_per_s_by"].items() if g != schedtrace.WORKER)
+            lines.append(f"{system:<12}preempted {t['worker_preempted_ms_per_s']:.1f} ms/s; "
+                         f"{t['preemptions_per_s']:.0f} preemptions/s (by {by})")
+            lines.append(f"{'':<12}CPU ms/s of the others: {cpu}")
     return "\n".join(lines)
 
 
@@ -158,6 +229,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=20, help="first steps left out of the step time (default 20)")
     p.add_argument("--systems", default="torchrun,ftrt", help=f"comma-separated, from {list(SYSTEMS)}; "
                    "torchrun is always run (it is the baseline)")
+    p.add_argument("--sched-trace", type=float, default=0.0, metavar="SECONDS",
+                   help="record this many seconds of each run's context switches (root and tracefs) and "
+                        "report who preempts the workers (default 0: off)")
     p.add_argument("--summarize", metavar="JSON", default=None,
                    help="print the table of an earlier result file instead of running")
     add_job_options(p, "overhead")
@@ -175,9 +249,13 @@ def main(argv: list[str]) -> int:
         p.error(f"--systems names {unknown}; choose from {list(SYSTEMS)}")
     if not 1 <= args.warmup < args.steps - 1:
         p.error(f"--warmup ({args.warmup}) must be at least 1 and leave 2 or more of the {args.steps} steps")
+    if args.sched_trace < 0:
+        p.error(f"--sched-trace ({args.sched_trace}) must be 0 (off) or a number of seconds")
+    if args.sched_trace and (why := schedtrace.unavailable()):
+        p.error(f"--sched-trace: {why}; run without it")
     grpo = job_config(p, args)
     t0 = time.time()
-    res = run(systems, args.reps, args.steps, args.warmup, args.ckpt_every, grpo)
+    res = run(systems, args.reps, args.steps, args.warmup, args.ckpt_every, grpo, trace_s=args.sched_trace)
     res["grpo"] = grpo
     path = save_result("overhead", res, argv, t0, args.out)
     print()

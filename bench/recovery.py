@@ -99,6 +99,11 @@ class Cluster:
         self.nodes[node_id] = node.start()
         return node
 
+    @property
+    def etcd_pid(self) -> int | None:
+        """The pid of the cluster's etcd member (ftrt only)."""
+        return self._etcd.proc.pid if self._etcd is not None and self._etcd.proc is not None else None
+
     def spares_warm(self) -> bool:
         if self.system != "ftrt":
             return True
