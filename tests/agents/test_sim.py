@@ -43,6 +43,7 @@ def test_sim_nodes_agree_on_one_round_and_shrink_when_one_dies(etcd_endpoint, jo
         # The decider's loss: another node takes over and writes the round without it.
         lost = deciders[0]
         await lost.die()
+        assert not lost.rdzv.deciding, "a closed rendezvous still counted itself the decider"
         alive = [n for n in nodes if n is not lost and n is not nodes[5]]
         again = lambda: [e for e in events if e["event"] == "round" and e["world"] == 10]  # noqa: E731
         await until(lambda: len(again()) == 10)
