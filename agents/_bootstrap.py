@@ -94,7 +94,9 @@ def main() -> None:
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
     fence_path = os.environ.get("FTRT_FENCE_FILE")
-    if fence_path:
+    from ftrt import _diag
+
+    if fence_path and not _diag.off("fence"):
         from ftrt.agents.fence import start_watchdog
 
         start_watchdog(fence_path)

@@ -448,6 +448,7 @@ class Agent:
                 rnd, node_id=self.cfg.node_id, local_rank=local_rank, job_id=self.cfg.job_id,
                 master_addr=master_addr, master_port=master_port,
                 max_restarts=self.cfg.max_restarts, agent_addr=self.agent_addr, etcd=self.endpoints,
+                mtbf=self.cfg.mtbf,
             )
             self.pool.assign(
                 w, local_rank=local_rank, rank=offset + local_rank, round_no=rnd.round, env=env,

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--replica-interval", dest="replica_interval", type=float, default=10.0,
         help="seconds between two copies of a data-parallel rank's memory checkpoint to the peer node "
              "(default 10; 0: every one; sharded ranks: every one)")
+    add("--mtbf", type=float, default=None, metavar="SECONDS",
+        help="mean seconds between failures to plan checkpoint cadence for (default: observed from the "
+             "job's faults, or one hour while there are none)")
     add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None, help=argparse.SUPPRESS)
     add("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=None, help=argparse.SUPPRESS)
     add("-m", "--module", dest="is_module", action="store_true", help="run TARGET as a module (python -m)")
@@ -115,7 +118,7 @@ def config_from_namespace(ns: argparse.Namespace) -> "LaunchConfig":
         first_round_wait=ns.first_round_wait, stop_grace=ns.stop_grace,
         restart_grace=ns.restart_grace, warm_workers=ns.warm_workers,
         exit_barrier_timeout=ns.exit_barrier_timeout, replica_interval=ns.replica_interval,
-        script_args=tuple(ns.args),
+        mtbf=ns.mtbf, script_args=tuple(ns.args),
     )
     if ns.is_module:
         values["module"] = ns.target

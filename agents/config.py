@@ -83,6 +83,11 @@ class LaunchConfig(BaseModel):
         "checkpoint that holds every tensor whole (data parallel; the newest is sent; 0: every one). "
         "Sharded ranks are copied after every checkpoint.",
     )
+    mtbf: Optional[float] = Field(
+        None, gt=0, description="Mean seconds between failures to plan checkpoints for (workers read it "
+        "as FTRT_MTBF; a checkpoint interval of 'auto' is chosen from it). Default: observed from the "
+        "job's faults so far, or one hour while there are none.",
+    )
     peer_check_interval: float = Field(
         5.0, gt=0, description="Seconds between liveness beats on the streams to peer agents. A dead "
         "peer is seen when its stream's connection closes, not from missing beats; the beats only keep "

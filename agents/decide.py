@@ -106,13 +106,16 @@ def _next_round(
     cfg: RendezvousConfig,
     reason: str,
     restart_count: int,
+    fault: bool = False,
 ) -> RoundRecord:
     return RoundRecord(
         round=(prev.round + 1) if prev else 1,
         members=tuple(members),
         active=len(members) >= cfg.min_nodes,
         restart_count=restart_count,
+        faults=(prev.faults if prev else 0) + (1 if fault else 0),
         reason=reason,
+        job_started=prev.job_started if prev else 0.0,
     )
 
 
@@ -164,7 +167,7 @@ def decide_round(now: float, view: View, cfg: RendezvousConfig) -> Decision:
                     f"workers failed ({detail}) and the restart budget of "
                     f"{cfg.max_restarts} restarts is spent",
                 )
-        new = _next_round(cur, members, cfg, reason, restart_count)
+        new = _next_round(cur, members, cfg, reason, restart_count, fault=True)
         if not new.active:
             new = replace(new, reason=f"{reason}; {len(members)} of at least {cfg.min_nodes} nodes left, waiting")
         return Decision(Action.WRITE_ROUND, new.reason, round=new)

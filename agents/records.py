@@ -81,8 +81,14 @@ class RoundRecord:
     """False while the job is below its minimum size: no worker runs."""
     restart_count: int = 0
     """Restarts caused by worker failures so far (membership changes do not count)."""
+    faults: int = 0
+    """Rounds caused by a fault so far (a lost member or a worker failure; joins do not count):
+    with :attr:`job_started`, the job's observed fault rate (checkpoint cadence reads it)."""
     reason: str = ""
     created: float = 0.0
+    """Wall time the round was written."""
+    job_started: float = 0.0
+    """Wall time the job's first round was written (carried from round to round)."""
     writer: str = ""
 
     @property

@@ -310,7 +310,8 @@ class Rendezvous:
         return [Compare(self.keys.decider, "lease", "==", self.decider_lease)]
 
     async def _write_round(self, new: RoundRecord) -> bool:
-        new = dataclasses.replace(new, created=time.time(), writer=self.node_id)
+        now = time.time()
+        new = dataclasses.replace(new, created=now, job_started=new.job_started or now, writer=self.node_id)
         res = await self.store.txn(
             [Compare.mod_revision(self.keys.round, self.round_mod_revision), *self._decider_fence()],
             [

@@ -22,6 +22,7 @@ def worker_env(
     max_restarts: int,
     agent_addr: str,
     etcd: str = "",
+    mtbf: float | None = None,
 ) -> dict[str, str]:
     """Variables for one worker of ``node_id`` in round ``rnd`` (which must include the node)."""
     member = rnd.member(node_id)
@@ -52,4 +53,8 @@ def worker_env(
         "FTRT_ROUND": str(rnd.round),
         "FTRT_AGENT_ADDR": agent_addr,
         "FTRT_ETCD": etcd,
+        # The job's fault history and the operator's expectation, for checkpoint cadence.
+        "FTRT_FAULTS": str(rnd.faults),
+        "FTRT_JOB_STARTED": repr(rnd.job_started or rnd.created),
+        "FTRT_MTBF": "" if mtbf is None else repr(float(mtbf)),
     }

@@ -17,12 +17,19 @@ Goodput = productive step time / wall time, from the first step to the end of th
 Productive step time is the summed duration of the steps that stand at the end: a step a restart
 threw away (trained after the last checkpoint and redone) counts as lost, as does every stall.
 Per fault the table gives the longest pause in training after the kill and after the rejoin.
+
+``--every 60,600,none`` runs the schedule at each fault interval in turn (``none``: no fault) and
+answers the user's question: how many steps each system trains in the same wall time, at that
+fault rate. Both trainers are told the fault interval (``checkpoint.mtbf``), so ``auto``
+checkpoint cadences are at their best for it (``--ckpt-every auto``: both systems' storage
+cadence too).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -45,10 +52,23 @@ VICTIMS = ("n1", "n2")
 
 def add_job_options(p: argparse.ArgumentParser, name: str) -> None:
     """The options the GRPO benchmarks share: checkpoint interval, config overrides, result path."""
-    p.add_argument("--ckpt-every", type=int, default=10, help="steps between storage checkpoints (default 10)")
+    p.add_argument("--ckpt-every", type=_interval, default=10,
+                   help="steps between storage checkpoints, or auto (default 10)")
     p.add_argument("--grpo", action="append", default=[], metavar="KEY=VALUE",
                    help="override the job's GRPO config (repeatable), e.g. --grpo model.d_model=32")
     p.add_argument("--out", default=None, help=f"JSON result path (default bench/results/{name}-<time>.json)")
+
+
+def _interval(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of steps >= 1 or auto")
+    return n
 
 
 def job_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -163,36 +183,114 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def parse_every(text: str) -> list[float | None]:
+    """``"60,600,none"`` -> [60.0, 600.0, None] (None: no fault at all)."""
+    out: list[float | None] = []
+    for item in (x.strip() for x in text.split(",")):
+        if item in ("none", "never"):
+            out.append(None)
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            value = 0.0
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a number of seconds > 0 or none")
+        out.append(value)
+    return out
+
+
+def duration_for(every: float | None, duration: float, down: float, tail: float = 90.0) -> float:
+    """Seconds to train at one fault interval: ``duration``, or long enough for one kill, its
+    rejoin and ``tail`` seconds after it when ``duration`` is too short for that."""
+    if every is None or every + down < duration:
+        return duration
+    return every + down + tail
+
+
+def series(rows: list[dict]) -> list[dict]:
+    """Per fault interval: steps trained by each system in the same wall time, and their ratio."""
+    out = []
+    for every in dict.fromkeys(r["every"] for r in rows):
+        by = {r["system"]: r for r in rows if r["every"] == every}
+        entry = {"every": every, "wall_s": next(iter(by.values()))["wall_s"],
+                 **{f"{k}_steps": v["steps"] for k, v in by.items()},
+                 **{f"{k}_goodput": v["goodput"] for k, v in by.items()}}
+        if "ftrt" in by and "torchrun" in by and by["torchrun"]["steps"]:
+            entry["steps_ratio"] = round(by["ftrt"]["steps"] / by["torchrun"]["steps"], 4)
+        out.append(entry)
+    return out
+
+
+def render_series(entries: list[dict]) -> str:
+    lines = [f"{'fault every':>12}{'wall':>8}{'ftrt steps':>12}{'torchrun steps':>16}{'ratio':>8}"
+             f"{'ftrt goodput':>14}{'torchrun goodput':>18}"]
+    for e in entries:
+        every = "none" if e["every"] is None else f"{e['every']:g} s"
+        ratio = f"{e['steps_ratio']:.3f}" if "steps_ratio" in e else "-"
+        good = {k: f"{e[k]:.1%}" if k in e else "-" for k in ("ftrt_goodput", "torchrun_goodput")}
+        lines.append(f"{every:>12}{e['wall_s']:>7.0f}s{e.get('ftrt_steps', '-'):>12}{e.get('torchrun_steps', '-'):>16}"
+                     f"{ratio:>8}{good['ftrt_goodput']:>14}{good['torchrun_goodput']:>18}")
+    lines.append("(steps trained in the same wall time, from each system's first step; ratio: ftrt over torchrun)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench goodput", description=__doc__.splitlines()[0])
-    p.add_argument("--duration", type=float, default=300.0, help="seconds of training per system (default 300)")
-    p.add_argument("--every", type=float, default=60.0, help="seconds between node kills (default 60)")
+    p.add_argument("--duration", type=float, default=300.0,
+                   help="seconds of training per system and fault interval (default 300; raised to "
+                        "EVERY + DOWN + 90 s where one kill would not fit otherwise)")
+    p.add_argument("--every", type=parse_every, default=[60.0],
+                   help="seconds between node kills, or a comma-separated list of them with none for a "
+                        "fault-free run, e.g. 60,600,none (default 60)")
     p.add_argument("--down", type=float, default=10.0, help="seconds a killed node stays down (default 10)")
+    p.add_argument("--no-mtbf", dest="tell_mtbf", action="store_false",
+                   help="do not tell the trainers the fault interval (by default checkpoint.mtbf=EVERY for "
+                        "both systems, so that an auto checkpoint cadence is at its best for the schedule)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="ftrt, torchrun or both (default)")
-    p.add_argument("--plot", default=None, help="write a PNG of steps and world size over time here")
+    p.add_argument("--plot", default=None, help="write a PNG here: steps and world size over time (one fault "
+                   "interval), or steps trained against the fault interval (several; each timeline beside it)")
     add_job_options(p, "goodput")
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         p.error(f"--systems names {unknown}; choose from {list(SYSTEMS)}")
-    if args.every <= args.down:
-        p.error(f"--every ({args.every}) must exceed --down ({args.down}): a node is restarted before the next kill")
+    for every in args.every:
+        if every is not None and every <= args.down:
+            p.error(f"--every ({every:g}) must exceed --down ({args.down}): a node is restarted before the next kill")
     grpo = job_config(p, args)
     t0 = time.time()
     rows = []
-    for system in systems:
-        r = run_one(system, duration=args.duration, every=args.every, down=args.down, ckpt_every=args.ckpt_every,
-                    grpo=grpo)
-        print(json.dumps({k: v for k, v in r.items() if k != "timeline"}), flush=True)
-        rows.append(r)
-    path = save_result("goodput", {"rows": rows, "grpo": grpo}, argv, t0, args.out)
+    for every in args.every:
+        job = dict(grpo)
+        if args.tell_mtbf and every is not None:
+            job.setdefault("checkpoint.mtbf", every)
+        duration = duration_for(every, args.duration, args.down)
+        for system in systems:
+            r = run_one(system, duration=duration, every=math.inf if every is None else every, down=args.down,
+                        ckpt_every=args.ckpt_every, grpo=job)
+            r["every"] = every
+            print(json.dumps({k: v for k, v in r.items() if k != "timeline"}), flush=True)
+            rows.append(r)
+    entries = series(rows)
+    path = save_result("goodput", {"rows": rows, "series": entries, "grpo": grpo}, argv, t0, args.out)
     if args.plot:
-        from bench.plots import goodput_png
+        from bench.plots import goodput_png, steps_vs_interval_png
 
-        goodput_png(rows, args.plot)
+        plot = Path(args.plot)
+        if len(args.every) == 1:
+            goodput_png(rows, plot)
+        else:
+            steps_vs_interval_png(entries, plot)
+            for every in args.every:
+                name = plot.with_name(f"{plot.stem}-every{'none' if every is None else f'{every:g}'}{plot.suffix}")
+                goodput_png([r for r in rows if r["every"] == every], name)
         print(f"wrote {args.plot}")
+    for every in args.every:
+        print(f"\nfault every {'none' if every is None else f'{every:g} s'}:")
+        print(render([r for r in rows if r["every"] == every]))
     print()
-    print(render(rows))
+    print(render_series(entries))
     print(f"\nwrote {path}")
     return 0

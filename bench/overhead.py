@@ -12,19 +12,25 @@ counts. Measuring starts after ``--warmup`` steps and, under ftrt, once the agen
 are warm (starting them is a one-off ~10 s of CPU per job and per membership change).
 Runs alternate between the systems (the order flips each repeat), so drift in the machine's
 speed falls on both; the ratio is ftrt's step time over torchrun's, per pair and overall.
-``ftrt-nomem`` (ftrt without the memory tier) can be added to split the memory tier's share from
-the agents'.
+``--breakdown`` runs ftrt variants that each switch one steady-state component off (see
+:data:`VARIANTS`): its cost is the step time of the variant it is taken from over the variant
+without it, per interleaved repeat. Every run also records the CPU the node agents and etcd took
+per second of steady training (from /proc). ``--pin`` puts the workers on core 1 and everything
+else (agents, etcd, this bench) on core 0 for both systems: on this 2-core machine that separates
+the control plane's cost from its competing with the workers for a core.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import schedtrace
@@ -32,12 +38,44 @@ from bench.goodput import add_job_options, job_config, save_result
 from bench.recovery import Cluster
 from ftrt.chaos.local import read_jsonl
 
-SYSTEMS = ("torchrun", "ftrt", "ftrt-nomem")
 TARGET = 1.02
-"""ftrt's step time over torchrun's that issue 6 asks for at most."""
+"""ftrt's step time over torchrun's that issues 6 and 14 ask for at most."""
 
 
-def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict, trace_s: float = 0.0) -> dict:
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the job under ftrt: GRPO overrides, launch options, ``FTRT_DIAG_OFF``."""
+
+    grpo: dict = field(default_factory=dict)
+    launch: tuple[str, ...] = ()
+    off: str = ""
+    base: str | None = None
+    """The variant this one takes a component away from (its cost is base's time over this one's)."""
+    component: str = ""
+
+
+MEM1 = {"checkpoint.memory_interval": 1}
+VARIANTS: dict[str, Variant] = {
+    "ftrt": Variant(),
+    "ftrt-nohb": Variant(off="heartbeat", base="ftrt", component="heartbeats"),
+    "ftrt-nofence": Variant(off="fence", base="ftrt", component="fence watchdog"),
+    "ftrt-nowarm": Variant(launch=("--no-warm",), base="ftrt", component="spare workers"),
+    "ftrt-mem1": Variant(grpo=MEM1),
+    "ftrt-mem1-novote": Variant(grpo=MEM1, off="vote", base="ftrt-mem1", component="skip vote (collective)"),
+    "ftrt-mem1-norepl": Variant(grpo=MEM1, launch=("--replica-interval", "1e9"), base="ftrt-mem1",
+                                component="replication to the peer"),
+    "ftrt-nomem": Variant(grpo={"checkpoint.memory_interval": 0}, base="ftrt-mem1",
+                          component="memory checkpoint every step (staging + vote + replication)"),
+}
+"""ftrt's variants: ``ftrt`` is the default (``auto`` checkpoint cadence); ``ftrt-mem1`` the old
+default, a memory checkpoint after every step."""
+SYSTEMS = ("torchrun", *VARIANTS)
+BREAKDOWN = ("torchrun", "ftrt", "ftrt-nohb", "ftrt-nofence", "ftrt-nowarm", "ftrt-mem1", "ftrt-mem1-novote",
+             "ftrt-mem1-norepl", "ftrt-nomem")
+
+
+def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict, trace_s: float = 0.0,
+            pin: bool = False) -> dict:
     """Train ``steps`` steps on a fresh 2-node cluster; return the steady step time.
 
     The steady window starts after ``warmup`` steps and, under ftrt, once every agent's spare
@@ -47,11 +85,15 @@ def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict
     """
     work = Path(tempfile.mkdtemp(prefix=f"bench-overhead-{system}-"))
     metrics = work / "metrics.jsonl"
+    variant = VARIANTS.get(system, Variant())
     overrides = {**grpo, "steps": steps, "metrics_path": str(metrics), "checkpoint.url": str(work / "ckpt"),
-                 "checkpoint.interval": ckpt_every, "checkpoint.memory_every": 0 if system == "ftrt-nomem" else 1}
-    c = Cluster("torchrun" if system == "torchrun" else "ftrt", work, nnodes="2")
+                 "checkpoint.interval": ckpt_every, **variant.grpo}
+    c = Cluster("torchrun" if system == "torchrun" else "ftrt", work, nnodes="2", launch_extra=variant.launch,
+                env_extra={"FTRT_DIAG_OFF": variant.off} if variant.off else None)
     warm_at = None
     sched = None
+    pinned: set[int] = set()
+    cpu: list[tuple[float, int, int]] = []  # (time, agents' ticks, etcd's ticks)
     try:
         t0 = time.time()
         for name in ("n0", "n1"):
@@ -64,6 +106,10 @@ def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict
                 sched = sched_breakdown(c, trace_s)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{system}: the job did not end within {deadline:.0f} s; its logs are in {work}")
+            if pin:
+                pin_cluster(c, pinned)
+            cpu.append((time.time(), sum(schedtrace.cpu_ticks(n.pid) for n in c.nodes.values()),
+                        schedtrace.cpu_ticks(c.etcd_pid) if c.etcd_pid is not None else 0))
             time.sleep(0.1)
         codes = {name: n.proc.returncode for name, n in c.nodes.items()}
         wall = time.time() - t0
@@ -83,12 +129,44 @@ def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict
     out = {"system": system, "step_s": round(per_step, 5),
            "median_compute_s": round(statistics.median(x["step_s"] for x in steady), 5),
            "longest_step_gap_s": round(max(b["time"] - a["time"] for a, b in zip(steady, steady[1:])), 3),
-           "steps": steps, "measured_from": start, "wall_s": round(wall, 1)}
+           "steps": steps, "measured_from": start, "wall_s": round(wall, 1),
+           "control_cpu_ms_per_s": control_cpu(cpu, steady[0]["time"], steady[-1]["time"]), "pinned": pin}
     if trace_s:
         if sched is None:
             raise RuntimeError(f"{system}: the job ended before its scheduler trace was taken; give more --steps")
         out["sched"] = sched
     return out
+
+
+def control_cpu(samples: list[tuple[float, int, int]], t0: float, t1: float) -> dict:
+    """CPU milliseconds per second the node agents and etcd took between ``t0`` and ``t1``."""
+    inside = [x for x in samples if t0 <= x[0] <= t1]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return {}
+    (a0, g0, e0), (a1, g1, e1) = inside[0], inside[-1]
+    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+    return {"agents": round((g1 - g0) * tick_ms / (a1 - a0), 1), "etcd": round((e1 - e0) * tick_ms / (a1 - a0), 1)}
+
+
+def pin_cluster(c: Cluster, done: set[int]) -> None:
+    """Workers (and spares) on core 1; agents and etcd on core 0. Each thread once (threads a
+    pinned thread creates inherit its affinity)."""
+    def put(pid: int, core: int) -> None:
+        for tid in schedtrace.threads(pid):
+            if tid not in done:
+                try:
+                    os.sched_setaffinity(tid, {core})
+                    done.add(tid)
+                except OSError:
+                    pass  # gone already
+
+    for n in c.nodes.values():
+        tree = n.tree()
+        put(tree[0], 0)
+        for pid in tree[1:]:
+            put(pid, 1)
+    if c.etcd_pid is not None:
+        put(c.etcd_pid, 0)
 
 
 def _logged(metrics: Path) -> int:
@@ -126,12 +204,13 @@ def sched_breakdown(c: Cluster, seconds: float) -> dict:
 
 
 def run(systems: list[str], reps: int, steps: int, warmup: int, ckpt_every: int, grpo: dict,
-        trace_s: float = 0.0) -> dict:
+        trace_s: float = 0.0, pin: bool = False) -> dict:
     rows = []
     for rep in range(reps):
         order = systems if rep % 2 == 0 else systems[::-1]
         for system in order:
-            r = run_one(system, steps=steps, warmup=warmup, ckpt_every=ckpt_every, grpo=grpo, trace_s=trace_s)
+            r = run_one(system, steps=steps, warmup=warmup, ckpt_every=ckpt_every, grpo=grpo, trace_s=trace_s,
+                        pin=pin)
             r["rep"] = rep
             rows.append(r)
             print(json.dumps(r), flush=True)
@@ -178,6 +257,32 @@ def summarize(rows: list[dict], systems: list[str]) -> dict:
         traced = [r["sched"] for r in rows if r["system"] == system and "sched" in r]
         if traced:
             out[system]["sched"] = mean_sched(traced)
+        cpus = [r["control_cpu_ms_per_s"] for r in rows if r["system"] == system and r.get("control_cpu_ms_per_s")]
+        if cpus:
+            out[system]["control_cpu_ms_per_s"] = {k: round(statistics.mean(c[k] for c in cpus), 1) for k in cpus[0]}
+    breakdown = components(rows, systems)
+    if breakdown:
+        out["_components"] = breakdown
+    return out
+
+
+def components(rows: list[dict], systems: list[str]) -> dict:
+    """Each switched-off component's cost: its base variant's step time over the variant's without
+    it, per repeat (both ran in the same repeat), with the median and its 90 % interval."""
+    def by_rep(system: str) -> dict[int, float]:
+        return {r["rep"]: r["step_s"] for r in rows if r["system"] == system}
+
+    out = {}
+    for name in systems:
+        v = VARIANTS.get(name)
+        if v is None or v.base is None or v.base not in systems:
+            continue
+        base, mine = by_rep(v.base), by_rep(name)
+        pairs = [round(base[k] / mine[k], 4) for k in sorted(base) if k in mine]
+        if pairs:
+            out[name] = {"component": v.component, "base": v.base, "pair_ratios": pairs,
+                         "median": round(statistics.median(pairs), 4),
+                         "median_90": [round(x, 4) for x in median_interval(pairs)]}
     return out
 
 
@@ -195,13 +300,25 @@ def mean_sched(traces: list[dict]) -> dict:
 
 def render(summary: dict) -> str:
     base = summary["torchrun"]["median_step_s"]
-    lines = [f"{'system':<12}{'step time (median)':>20}  {'runs':<40}{'ratio':>7}  pairs"]
-    for system, s in summary.items():
+    parts = summary.get("_components", {})
+    systems = {k: v for k, v in summary.items() if not k.startswith("_")}
+    w = max(12, *(len(k) + 2 for k in systems))
+    lines = [f"{'system':<{w}}{'step time (median)':>20}  {'runs':<40}{'ratio':>7}  {'agents+etcd CPU':>16}  pairs"]
+    for system, s in systems.items():
         runs = " ".join(f"{v * 1000:.1f}" for v in s["runs"])
         ratio = f"{s['median_step_s'] / base:.3f}" if system != "torchrun" else "1"
         pairs = " ".join(f"{v:.3f}" for v in s.get("pair_ratios", []))
-        lines.append(f"{system:<12}{s['median_step_s'] * 1000:>17.1f} ms  {runs:<40}{ratio:>7}  {pairs}")
-    for system, s in summary.items():
+        cpu = s.get("control_cpu_ms_per_s", {})
+        cpu_text = f"{cpu.get('agents', 0) + cpu.get('etcd', 0):.1f} ms/s" if cpu else "-"
+        lines.append(f"{system:<{w}}{s['median_step_s'] * 1000:>17.1f} ms  {runs:<40}{ratio:>7}  {cpu_text:>16}  {pairs}")
+    if parts:
+        lines.append("")
+        lines.append("Components (cost = step time with it over step time without it, same repeat):")
+        for name, c in parts.items():
+            lo, hi = c["median_90"]
+            lines.append(f"  {c['component']:<62} {c['median']:.3f} (90 % {lo:.3f}-{hi:.3f}; {c['base']} vs {name}; "
+                         f"pairs {' '.join(f'{v:.3f}' for v in c['pair_ratios'])})")
+    for system, s in systems.items():
         if "pair_ratios" in s:
             lo, hi = s["median_pair_ratio_90"]
             lines.append(f"{system}: median of the {len(s['pair_ratios'])} pair ratios {s['median_pair_ratio']:.3f} "
@@ -209,7 +326,7 @@ def render(summary: dict) -> str:
                          f"target {verdict(lo, hi)}")
     lines.append("(runs in ms per step; ratio: median step time over torchrun's; pairs: each repeat's ratio; "
                  f"target for ftrt: <= {TARGET})")
-    traced = {system: s["sched"] for system, s in summary.items() if "sched" in s}
+    traced = {system: s["sched"] for system, s in systems.items() if "sched" in s}
     if traced:
         lines.append("")
         lines.append("Scheduler trace of the workers' main threads (mean over runs; per second of training, both workers):")
@@ -232,6 +349,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sched-trace", type=float, default=0.0, metavar="SECONDS",
                    help="record this many seconds of each run's context switches (root and tracefs) and "
                         "report who preempts the workers (default 0: off)")
+    p.add_argument("--breakdown", action="store_true",
+                   help=f"run every variant that switches one component off ({', '.join(BREAKDOWN[1:])}) "
+                        "and report each component's cost")
+    p.add_argument("--pin", action="store_true",
+                   help="workers on core 1, agents and etcd (and this bench) on core 0, for both systems")
     p.add_argument("--summarize", metavar="JSON", default=None,
                    help="print the table of an earlier result file instead of running")
     add_job_options(p, "overhead")
@@ -244,7 +366,7 @@ def main(argv: list[str]) -> int:
         names = list(dict.fromkeys(r["system"] for r in rows))
         print(render(summarize(rows, names)))
         return 0
-    systems = list(dict.fromkeys(["torchrun", *(s for s in args.systems.split(",") if s)]))
+    systems = list(BREAKDOWN) if args.breakdown else list(dict.fromkeys(["torchrun", *(s for s in args.systems.split(",") if s)]))
     if unknown := sorted(set(systems) - set(SYSTEMS)):
         p.error(f"--systems names {unknown}; choose from {list(SYSTEMS)}")
     if not 1 <= args.warmup < args.steps - 1:
@@ -253,9 +375,14 @@ def main(argv: list[str]) -> int:
         p.error(f"--sched-trace ({args.sched_trace}) must be 0 (off) or a number of seconds")
     if args.sched_trace and (why := schedtrace.unavailable()):
         p.error(f"--sched-trace: {why}; run without it")
+    if args.pin:
+        if (os.cpu_count() or 1) < 2:
+            p.error("--pin needs 2 cores or more (workers on core 1, the rest on core 0)")
+        os.sched_setaffinity(0, {0})
     grpo = job_config(p, args)
     t0 = time.time()
-    res = run(systems, args.reps, args.steps, args.warmup, args.ckpt_every, grpo, trace_s=args.sched_trace)
+    res = run(systems, args.reps, args.steps, args.warmup, args.ckpt_every, grpo, trace_s=args.sched_trace,
+              pin=args.pin)
     res["grpo"] = grpo
     path = save_result("overhead", res, argv, t0, args.out)
     print()

@@ -34,10 +34,38 @@ def goodput_png(rows: list[dict], path: str | Path) -> None:
                            label="node restarted" if i == 0 and ax is ax1 else None)
     ax1.set_ylabel("step (kept)")
     ax1.legend(loc="upper left", fontsize=8)
-    ax1.set_title("GRPO, a node killed every minute: steps that stand over time")
+    every = rows[0].get("every", 60.0) if rows else 60.0
+    ax1.set_title("GRPO, no fault: steps over time" if every is None else
+                  f"GRPO, a node killed every {every:g} s: steps that stand over time")
     ax2.set_ylabel("world size")
     ax2.set_xlabel("seconds since the first step")
     ax2.set_yticks(sorted({p[2] for r in rows for p in r["timeline"]}) or [0])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def steps_vs_interval_png(entries: list[dict], path: str | Path) -> None:
+    """Steps trained per minute by each system against the interval between node faults."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = ["none" if e["every"] is None else f"{e['every']:g} s" for e in entries]
+    x = range(len(entries))
+    for system, dx in (("ftrt", -0.2), ("torchrun", 0.2)):
+        rate = [e.get(f"{system}_steps", 0) * 60 / e["wall_s"] for e in entries]
+        bars = ax.bar([i + dx for i in x], rate, width=0.4, color=COLORS[system], label=system)
+        for b, e in zip(bars, entries):
+            ax.annotate(f"{e.get(f'{system}_steps', 0)}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+    for i, e in enumerate(entries):
+        if "steps_ratio" in e:
+            ax.annotate(f"{e['steps_ratio']:.2f}x", (i, 0), xytext=(0, 4), textcoords="offset points", ha="center",
+                        fontsize=9, color="white", weight="bold")
+    ax.set_xticks(list(x), labels)
+    ax.set_xlabel("a node killed every (and back 10 s later)")
+    ax.set_ylabel("steps trained per minute")
+    ax.set_title("GRPO on 3 nodes: steps trained in the same wall time (labels: steps)")
+    ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

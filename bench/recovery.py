@@ -50,8 +50,10 @@ class Cluster:
     """Nodes of one system (ftrt or torchrun) sharing a step log."""
 
     def __init__(self, system: str, work: Path, *, nnodes: str = "2:3", torchrun_conf: str = TORCHRUN_BEST,
-                 workload: str = "ddp", max_restarts: int = 10):
+                 workload: str = "ddp", max_restarts: int = 10, launch_extra: tuple[str, ...] = (),
+                 env_extra: dict[str, str] | None = None):
         self.system = system
+        self.launch_extra = list(launch_extra)  # more ``ftrt launch`` options (ftrt only)
         self.max_restarts = max_restarts
         self.workload = workload
         self.work = work
@@ -60,7 +62,7 @@ class Cluster:
         self.log = StepLog(work / "steps.jsonl")
         self.marker = work / "fault.json"
         self.nodes: dict[str, LocalNode] = {}
-        self.env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
         if system == "torchrun":
             # Without this, torchrun's restarts reuse the rendezvous TCPStore for the workers and
             # they read stale gloo addresses (pytorch/pytorch#135712); restarts never succeed.
@@ -86,7 +88,7 @@ class Cluster:
                 "--lease-ttl", "2", "--max-restarts", str(self.max_restarts),
                 # The plain workload never imports torch._dynamo, so spares need not either.
                 *(["--warm-import", "torch", "--warm-import", "torch.distributed"] if self.workload == "plain" else []),
-                *script,
+                *self.launch_extra, *script,
             ], env=self.env)
         else:
             node = LocalNode(self.work, node_id, [], env=self.env, command=[
@@ -105,7 +107,7 @@ class Cluster:
         return self._etcd.proc.pid if self._etcd is not None and self._etcd.proc is not None else None
 
     def spares_warm(self) -> bool:
-        if self.system != "ftrt":
+        if self.system != "ftrt" or "--no-warm" in self.launch_extra:
             return True
         return all("spares warm again" in n.log() for n in self.nodes.values() if n.alive())
 

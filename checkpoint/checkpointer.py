@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ftrt import _diag
 from ftrt.checkpoint import manifest as mf
 from ftrt.checkpoint import memtier
 from ftrt.checkpoint import state as st
@@ -65,8 +66,24 @@ class SaveHandle:
         self._future: cf.Future | None = None
         self.stage_s = 0.0
         self.persist_s = 0.0
+        self.blocked_s = 0.0
+        """Time the caller's thread spent in ``save()`` and ``wait_staged()`` for this save."""
+        self.background_cpu_s = 0.0
+        """CPU time the checkpointer's own staging and persisting threads spent on this save."""
         self.persisting = False  # writes to storage (not a memory checkpoint only)
         self.skipped = False  # skip_if_busy skipped it: nothing was saved
+
+    @property
+    def cost_s(self) -> float:
+        """What this save cost the training loop: the time it blocked the caller plus the CPU time
+        of the background work (on a host whose cores are all busy training, that work takes
+        them from training; where cores are idle it is an over-estimate). Final once
+        :meth:`settled`."""
+        return self.blocked_s + self.background_cpu_s
+
+    def settled(self) -> bool:
+        """Whether :attr:`cost_s` is final: staged (a memory-only save) or done (a storage save)."""
+        return self.done() if self.persisting else self._staged.is_set()
 
     @classmethod
     def skipped_at(cls, step: int) -> "SaveHandle":
@@ -80,7 +97,10 @@ class SaveHandle:
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Return once the state has been copied; the caller may then change its tensors."""
-        if not self._staged.wait(timeout):
+        t0 = time.perf_counter()
+        ok = self._staged.wait(timeout)
+        self.blocked_s += time.perf_counter() - t0
+        if not ok:
             raise TimeoutError(f"Staging of step {self.step} did not finish within {timeout} s.")
 
     def wait(self, timeout: float | None = None) -> None:
@@ -199,7 +219,7 @@ class Checkpointer:
 
     def _any_rank(self, *flags: bool) -> tuple[bool, ...]:
         """Each flag, true on every rank when it is true on any (one collective on the vote group)."""
-        if not self.distributed:
+        if not self.distributed or _diag.off("vote"):
             return tuple(flags)
         import torch
 
@@ -236,6 +256,12 @@ class Checkpointer:
         skipped too (the newest complete one stays). Every rank must pass the same value: the ranks
         agree with one small collective, so all of them skip or none does.
         """
+        t0 = time.perf_counter()
+        handle = self._save(step, state, persist, skip_if_busy)
+        handle.blocked_s += time.perf_counter() - t0
+        return handle
+
+    def _save(self, step: int, state: dict[str, Any], persist: bool, skip_if_busy: bool) -> SaveHandle:
         if self._closed:
             raise ConfigError("This Checkpointer is closed; create a new one to save again.")
         if not isinstance(step, int) or step < 0:
@@ -278,16 +304,17 @@ class Checkpointer:
         return handle
 
     def _stage(self, slot: int, sd: Any, handle: SaveHandle, step: int) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return self._stager.stage(slot, sd)
         finally:
             handle.stage_s = time.perf_counter() - t0
+            handle.background_cpu_s += time.thread_time() - c0
             handle._staged.set()
 
     def _stage_memory(self, slot: int, sd: Any, handle: SaveHandle, step: int) -> Any:
         """Stage into the arena's slot, then make it the rank's current memory checkpoint."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             flat, skeleton = memtier.flatten(sd)
             entries, size = memtier.layout(flat)
@@ -311,6 +338,7 @@ class Checkpointer:
             return memtier.unflatten(skeleton, staged)
         finally:
             handle.stage_s = time.perf_counter() - t0
+            handle.background_cpu_s += time.thread_time() - c0
             handle._staged.set()
 
     def _memory_only_done(self, slot: int, staged: cf.Future) -> None:
@@ -320,9 +348,10 @@ class Checkpointer:
             self._stager.release(slot)
 
     def _persist(self, step: int, slot: int, staged: cf.Future, handle: SaveHandle) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), None
         try:
             sd = staged.result()
+            c0 = time.thread_time()  # after the staging wait: only this save's own work counts
             folder = step_dir(step)
             already = self._broadcast(self._committed_or_unknown(folder, step) if self.rank == 0 else None)
             if already:
@@ -355,6 +384,8 @@ class Checkpointer:
         finally:
             self._stager.release(slot)
             handle.persist_s = time.perf_counter() - t0
+            if c0 is not None:
+                handle.background_cpu_s += time.thread_time() - c0
 
     def _committed(self, folder: str) -> bool:
         """Whether ``folder`` holds a valid manifest. Storage errors propagate: "cannot tell" must

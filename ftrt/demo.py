@@ -59,7 +59,8 @@ def run_demo(out: Path, *, nodes: int = 3, steps: int = 150, kill_at: int | None
     launch = [
         "--etcd", etcd.endpoint, "--job-id", "demo", "--nnodes", f"2:{nodes}", "--lease-ttl", "2",
         "--first-round-wait", "10", "-m", "ftrt.grpo", f"steps={steps}", "prompts_per_step=30",
-        f"metrics_path={metrics}", f"checkpoint.url={ckpt}", "checkpoint.interval=10", "progress=none",
+        f"metrics_path={metrics}", f"checkpoint.url={ckpt}", "checkpoint.interval=10",
+        "checkpoint.memory_interval=1", "progress=none",
     ]
     agents = {f"node{i}": LocalNode(out, f"node{i}", launch).start() for i in range(nodes)}
     summary: dict = {"recovered": False, "recovery_s": None, "rejoin_s": None}

@@ -16,6 +16,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from ftrt import _diag
+
 
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
@@ -25,6 +27,16 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"Environment variable {name}={raw!r} is not an integer.") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"Environment variable {name}={raw!r} is not a number.") from None
 
 
 @dataclass
@@ -43,6 +55,12 @@ class Runtime:
     node_id: str = "local"
     agent_addr: str = ""
     launched_by_ftrt: bool = False
+    faults: int = 0
+    """Faults the job has had so far (lost nodes, worker failures; 0 outside ftrt)."""
+    job_started: float = 0.0
+    """Wall time the job's first round started (0 outside ftrt: then this process's start)."""
+    mtbf: float | None = None
+    """The MTBF the operator configured (``ftrt launch --mtbf``), or None."""
     last_step: int = -1
     _report_fd: int = field(default=-1, repr=False)
 
@@ -53,6 +71,8 @@ class Runtime:
         is treated as hung: killed and the round restarted.
         """
         self.last_step = int(step)
+        if _diag.off("heartbeat"):
+            return
         self.report({"t": "hb", "step": self.last_step, "time": time.time()})
 
     def report(self, message: dict) -> None:
@@ -92,6 +112,22 @@ class Runtime:
             kwargs.setdefault("mem_dir", os.environ["FTRT_MEM_DIR"])
         return Checkpointer(url, keep, storage_options, **kwargs)
 
+    def cadence(self, name: str, interval, *, max_interval_s: float, mtbf: float | None = None,
+                on_choice=None):
+        """A :class:`ftrt.checkpoint.cadence.Cadence` for one checkpoint tier of this job.
+
+        ``interval`` is a number of steps or ``"auto"``; ``mtbf`` (seconds) overrides the
+        launcher's ``--mtbf``; without either, the MTBF is observed from the job's faults
+        (:func:`~ftrt.checkpoint.cadence.estimate_mtbf`). Feed it agreed numbers on every rank.
+        ``on_choice(name, choice)`` hears each new interval (default: a log line).
+        """
+        from ftrt.checkpoint.cadence import Cadence, estimate_mtbf
+
+        configured = mtbf if mtbf is not None else self.mtbf
+        return Cadence(name, interval, max_interval_s=max_interval_s,
+                       mtbf=lambda faults, elapsed: estimate_mtbf(configured, faults, elapsed),
+                       on_choice=on_choice)
+
     @property
     def is_main(self) -> bool:
         """True on global rank 0."""
@@ -126,6 +162,9 @@ def init() -> Runtime:
         node_id=os.environ.get("FTRT_NODE_ID", "local"),
         agent_addr=os.environ.get("FTRT_AGENT_ADDR", ""),
         launched_by_ftrt="FTRT_JOB_ID" in os.environ,
+        faults=_env_int("FTRT_FAULTS", 0),
+        job_started=_env_float("FTRT_JOB_STARTED", 0.0) or time.time(),
+        mtbf=_env_float("FTRT_MTBF", 0.0) or None,
         _report_fd=fd,
     )
     return _RUNTIME

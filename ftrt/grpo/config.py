@@ -7,10 +7,10 @@ rejected with :class:`ftrt.errors.ConfigError` naming the dotted field, the valu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ftrt.errors import ConfigError
 
@@ -52,10 +52,28 @@ class CheckpointConfig(_Strict):
                             "memory://); a run resumes from the newest checkpoint there; null: none")
     storage_options: dict[str, Any] | None = Field(None, description="fsspec options for the URL "
                                                    "(s3: key, secret, client_kwargs.endpoint_url, ...)")
-    interval: int = Field(1, ge=1, description="steps between checkpoints written to storage")
+    interval: Union[Literal["auto"], int] = Field(
+        "auto", description="steps between checkpoints written to storage, or auto: the Young/Daly "
+        "interval from the measured save cost and the MTBF (docs/design.md, 'Checkpoint cadence')")
     keep: int = Field(2, ge=1, description="committed checkpoints kept in storage")
-    memory_every: int = Field(1, ge=0, description="steps between in-memory checkpoints under "
-                              "ftrt launch (0: none); they make a crash lose at most this many steps")
+    memory_interval: Union[Literal["auto"], int] = Field(
+        "auto", description="steps between in-memory checkpoints under ftrt launch (0: none; a crash "
+        "loses at most this many steps), or auto: chosen like interval")
+    mtbf: float | None = Field(None, gt=0, description="mean seconds between failures that auto "
+                               "plans for (default: ftrt launch --mtbf, else observed from the job's "
+                               "faults, else one hour)")
+    max_interval_s: float = Field(1800.0, gt=0, description="auto never lets more than this many "
+                                  "seconds of training go without a storage checkpoint")
+    memory_max_interval_s: float = Field(300.0, gt=0, description="auto never lets more than this "
+                                         "many seconds of training go without a memory checkpoint")
+
+    @field_validator("interval", "memory_interval", mode="before")
+    @classmethod
+    def _interval(cls, v: Any, info: ValidationInfo) -> Any:
+        least = 1 if info.field_name == "interval" else 0
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= least):
+            return v
+        raise ValueError(f"give auto or a whole number of steps >= {least}")
 
 
 class GRPOConfig(_Strict):
@@ -139,7 +157,7 @@ def describe(exc: ValidationError) -> str:
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "config"
         given = err.get("input")
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             lines.append(f"Unknown config field {field!r}; see python -m ftrt.grpo --help-config.")
         else:

@@ -134,11 +134,13 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     }
     ck = rt.checkpointer(cfg.checkpoint.url, keep=cfg.checkpoint.keep,
                          storage_options=cfg.checkpoint.storage_options) if cfg.checkpoint.url else None
+    cadence = Cadences(rt, cfg, ck, announce=rank == 0)
     metrics = Metrics(cfg.metrics_path if rank == 0 else None)
     restored = ck.restore(state) if ck is not None else None
     tr = state["trainer"]
     if restored is not None:
         tr["resumes"] += 1
+        cadence.resumed(tr["step"])
     if rank == 0:
         dropped = metrics.rewind(tr["step"])
         if restored is not None:
@@ -154,6 +156,7 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
                   f"world size {world}", flush=True)
     bar = Progress(cfg.progress if rank == 0 else "none", cfg.steps)
     pending = None
+    dt = 0.0
     rewards: list[float] = []
     t_start = time.perf_counter()
     for step in range(tr["step"], cfg.steps):
@@ -202,31 +205,34 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
                 pending.wait_staged()
                 pending = None
             opt.step()
-        sums = _all_reduce(torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum],
+        # The cadence's inputs ride on this collective, so every rank decides on the same numbers.
+        sums = _all_reduce(torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum, *cadence.report(dt)],
                                         dtype=torch.float64), distributed)
-        reward_sum, loss_total, kl_total = sums.tolist()
+        reward_sum, loss_total, kl_total, *agreed = sums.tolist()
+        cadence.update(agreed, world)
         parts = _gather((rt.node_id, mine), distributed, world)  # which node trained which prompts
         ids = [i for _, part in parts for i in part]
         tr.update(step=step + 1, frontier=frontier + cfg.prompts_per_step, tokens=tr["tokens"] + int(total_tokens))
         dt = time.perf_counter() - t0
         reward_mean = reward_sum / max(total_seqs, 1.0)
         rewards.append(reward_mean)
+        persist = ck is not None and (cadence.storage.due(step + 1) or step + 1 == cfg.steps)
+        keep = persist or (ck is not None and cadence.memory.due(step + 1))
         record = {
             "step": step, "reward_mean": reward_mean, "loss": loss_total,
             "kl": kl_total / max(total_tokens, 1.0), "world_size": world, "prompt_ids": ids,
             "tokens_per_s": total_tokens / dt, "time": time.time(), "step_s": dt,
             "redone": tr["redone"], "resumes": tr["resumes"], "nodes": sorted({n for n, _ in parts}),
+            "ckpt": "storage" if persist else "memory" if keep else None,  # the save due after this step
         }
         metrics.append(record)
         bar.update(step + 1, reward_mean, total_tokens / dt, world)
         rt.heartbeat(step + 1)
-        if ck is not None:
-            persist = (step + 1) % cfg.checkpoint.interval == 0 or step + 1 == cfg.steps
-            every = cfg.checkpoint.memory_every
-            if persist or (ck.has_memory_tier and every and (step + 1) % every == 0):
-                # Slow storage must not slow training: a save that would queue behind an unfinished
-                # one is skipped (memory copy only); the final one always goes to storage.
-                pending = ck.save(step + 1, state, persist=persist, skip_if_busy=step + 1 < cfg.steps)
+        if keep:
+            # Slow storage must not slow training: a save that would queue behind an unfinished
+            # one is skipped (memory copy only); the final one always goes to storage.
+            pending = ck.save(step + 1, state, persist=persist, skip_if_busy=step + 1 < cfg.steps)
+            cadence.started(pending)
     bar.close()
     if ck is not None:
         ck.close()  # waits for the last save: the final state is committed before we report
@@ -243,6 +249,66 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     if distributed:
         dist.destroy_process_group()
     return summary
+
+
+class Cadences:
+    """When the trainer checkpoints: the memory and storage tiers' :class:`Cadence` and the cost
+    measurements that feed their ``auto`` modes (each save's :attr:`SaveHandle.cost_s`, reported
+    once it is final).
+
+    Every rank must decide alike: :meth:`report` gives the numbers this rank contributes to the
+    step's all-reduce (sums), and :meth:`update` feeds the agreed totals to both cadences.
+    """
+
+    FIELDS = 6  # step time, job age, memory cost sum and count, storage cost sum and count
+
+    def __init__(self, rt: ftrt.Runtime, cfg: GRPOConfig, ck: Any, *, announce: bool) -> None:
+        c = cfg.checkpoint
+
+        def say(tier: str, choice: Any) -> None:
+            if announce:
+                print(f"[ftrt.grpo] {tier} checkpoints every {choice.seconds:.2f} s of training: {choice.reason}",
+                      flush=True)
+
+        memory = c.memory_interval if ck is not None and ck.has_memory_tier else 0
+        self.memory = rt.cadence("memory", memory, max_interval_s=c.memory_max_interval_s, mtbf=c.mtbf,
+                                 on_choice=say)
+        self.storage = rt.cadence("storage", c.interval, max_interval_s=c.max_interval_s, mtbf=c.mtbf,
+                                  on_choice=say)
+        self.rt = rt
+        self._unsettled: list[Any] = []
+
+    def resumed(self, step: int) -> None:
+        """The run restored ``step``: both tiers count their next save from there."""
+        self.memory.saved(step)
+        self.storage.saved(step)
+
+    def started(self, handle: Any) -> None:
+        """A save began (``handle`` from ``Checkpointer.save``)."""
+        if handle.skipped:
+            return
+        self.memory.saved(handle.step)  # a storage save also leaves a memory copy (with the tier)
+        if handle.persisting:
+            self.storage.saved(handle.step)
+        self._unsettled.append(handle)
+
+    def report(self, step_s: float) -> list[float]:
+        """This rank's contribution to the step's all-reduce: the last step's duration, the job's
+        age, and the costs of its saves that became final since the last report."""
+        out = [step_s, time.time() - self.rt.job_started, 0.0, 0.0, 0.0, 0.0]
+        for h in [h for h in self._unsettled if h.settled()]:
+            self._unsettled.remove(h)
+            at = 4 if h.persisting else 2
+            out[at] += h.cost_s
+            out[at + 1] += 1
+        return out
+
+    def update(self, agreed: list[float], world: int) -> None:
+        """Feed the all-reduced sums of :meth:`report` (over ``world`` ranks) to both cadences."""
+        step_s, age, mem_sum, mem_n, sto_sum, sto_n = agreed
+        for cadence, total, n in ((self.memory, mem_sum, mem_n), (self.storage, sto_sum, sto_n)):
+            cadence.update(step_s=step_s / world, save_cost_s=total / n if n else None,
+                           faults=self.rt.faults, elapsed_s=age / world)
 
 
 def _gather(mine: Any, distributed: bool, world: int) -> list[Any]:

@@ -138,3 +138,28 @@ def test_ftrt_etcd_serves_until_interrupted():
     assert "etcd is serving on 127.0.0.1:" in line
     proc.send_signal(signal.SIGINT)
     assert proc.wait(15) == 0
+
+
+FAULT_HISTORY_SCRIPT = """
+import json, sys
+import ftrt
+rt = ftrt.init()
+with open(f"{sys.argv[1]}/round{rt.round}-rank{rt.rank}.json", "w") as f:
+    json.dump({"faults": rt.faults, "mtbf": rt.mtbf, "job_started": rt.job_started}, f)
+if rt.round == 1 and rt.rank == 1:
+    sys.exit(3)  # one worker failure: the next round is a fault round
+"""
+
+
+def test_workers_learn_the_configured_mtbf_and_the_jobs_fault_history(tmp_path):
+    script = tmp_path / "history.py"
+    script.write_text(FAULT_HISTORY_SCRIPT)
+    t0 = time.time()
+    res = run_ftrt("launch", "--standalone", "--nproc-per-node", "2", "--mtbf", "90", "--max-restarts", "1",
+                   "--no-warm", str(script), str(tmp_path), timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    seen = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("round*-rank*.json")}
+    assert seen["round1-rank0"]["faults"] == 0 and seen["round2-rank0"]["faults"] == 1, seen
+    assert {s["mtbf"] for s in seen.values()} == {90.0}
+    started = {s["job_started"] for s in seen.values()}
+    assert len(started) == 1 and t0 <= started.pop() <= time.time()  # the first round's time, kept

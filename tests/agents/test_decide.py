@@ -186,3 +186,13 @@ def test_all_members_done_means_success_and_done_nodes_are_not_eligible():
 def test_terminal_job_state_stops_decisions():
     v = view_of(A, B, round_=R1, job=JobState("failed", "boom"))
     assert decide_round(0.0, v, CFG).action is Action.NONE
+
+
+def test_faults_are_counted_across_rounds_but_joins_are_not():
+    r = replace(R1, faults=2, job_started=100.0)
+    lost = decide_round(1.0, view_of(A, C, round_=r, changed_at=0.0), CFG).round
+    assert lost.faults == 3 and lost.job_started == 100.0
+    failed = decide_round(1.0, view_of(A, B, C, round_=r, requests={"b": RestartRequest("b", 1)}), CFG).round
+    assert failed.faults == 3
+    joined = decide_round(5.0, view_of(A, B, D, round_=replace(r, members=(member(A), member(B)))), CFG).round
+    assert "admitted d" in joined.reason and joined.faults == 2 and joined.job_started == 100.0

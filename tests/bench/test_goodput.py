@@ -48,3 +48,41 @@ def test_overhead_verdict_follows_the_interval_of_the_median_pair():
     assert lo > 1.02 and verdict(lo, hi).startswith("not met")
     lo, hi = median_interval([0.99, 1.07, 1.01, 1.04, 1.02])
     assert lo <= 1.02 < hi and verdict(lo, hi).startswith("not settled")
+
+
+def test_fault_intervals_parse_and_each_gets_room_for_one_fault():
+    import argparse
+
+    from bench.goodput import duration_for, parse_every
+
+    assert parse_every("60,600,none") == [60.0, 600.0, None]
+    with pytest.raises(argparse.ArgumentTypeError, match="'often'"):
+        parse_every("60,often")
+    assert duration_for(60.0, 300, 10) == 300
+    assert duration_for(600.0, 300, 10) == 700  # one kill at 600 s, back at 610, 90 s after
+    assert duration_for(None, 300, 10) == 300
+
+
+def test_series_compares_steps_trained_in_the_same_wall_time():
+    from bench.goodput import render_series, series
+
+    rows = [{"system": "ftrt", "every": 60.0, "steps": 500, "goodput": 0.97, "wall_s": 300},
+            {"system": "torchrun", "every": 60.0, "steps": 400, "goodput": 0.72, "wall_s": 300},
+            {"system": "ftrt", "every": None, "steps": 600, "goodput": 0.99, "wall_s": 300},
+            {"system": "torchrun", "every": None, "steps": 610, "goodput": 0.99, "wall_s": 300}]
+    s = series(rows)
+    assert [e["every"] for e in s] == [60.0, None]
+    assert s[0]["steps_ratio"] == 1.25 and s[1]["steps_ratio"] == pytest.approx(600 / 610, abs=1e-4)
+    table = render_series(s)
+    assert "none" in table and "1.250" in table and "60 s" in table
+
+
+def test_overhead_breakdown_charges_each_component_by_its_own_pairs():
+    from bench.overhead import components
+
+    rows = [{"system": "ftrt", "rep": 0, "step_s": 0.210}, {"system": "ftrt-nohb", "rep": 0, "step_s": 0.200},
+            {"system": "ftrt", "rep": 1, "step_s": 0.220}, {"system": "ftrt-nohb", "rep": 1, "step_s": 0.220},
+            {"system": "ftrt-mem1", "rep": 0, "step_s": 0.3}]
+    c = components(rows, ["ftrt", "ftrt-nohb", "ftrt-mem1", "ftrt-nomem"])
+    assert list(c) == ["ftrt-nohb"]  # ftrt-nomem did not run
+    assert c["ftrt-nohb"]["pair_ratios"] == [1.05, 1.0] and c["ftrt-nohb"]["component"] == "heartbeats"

@@ -18,9 +18,10 @@ from tests.agents.harness import FAST_WARM, Node, wait_until
 
 pytestmark = pytest.mark.slow
 
-STEPS, PROMPTS = 14, 6
+STEPS, PROMPTS = 40, 6  # enough steps after the kill at step 7 that it lands mid-run
 CONFIG = [f"steps={STEPS}", f"prompts_per_step={PROMPTS}", "group_size=4", "model.d_model=32",
-          "model.n_layers=1", "model.n_heads=2", "checkpoint.interval=5", "progress=none"]
+          "model.n_layers=1", "model.n_heads=2", "checkpoint.interval=5", "checkpoint.memory_interval=1",
+          "progress=none"]
 EXACT = ("step", "reward_mean", "loss", "kl", "world_size", "prompt_ids")
 
 

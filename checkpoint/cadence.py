@@ -1,0 +1,201 @@
+"""Checkpoint cadence from cost and risk: how many steps between two saves of one tier.
+
+A checkpoint costs the training loop some time every time it is taken; a failure costs the work
+done since the last one (half an interval on average) plus the restart. The interval that
+maximises expected goodput is Young's first-order optimum ``sqrt(2 * C * M)`` for a save cost
+``C`` and a mean time between failures ``M`` (J. W. Young, "A first order approximation to the
+optimum checkpoint interval", CACM 17(9), 1974), refined by Daly to ``sqrt(2 C M) - C`` while
+``C < 2 M`` (J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart
+dumps", Future Generation Computer Systems 22(3), 2006). With ``C`` a few milliseconds and
+``M`` an hour, that is every few seconds; with a fault a minute, close to every step.
+
+Everything here is a pure function of its inputs, so the decision can be tested with made-up
+numbers, and so that every rank of a job reaches the same decision when it is given the same
+inputs (the ranks must save together: give them agreed numbers, e.g. all-reduced, see
+:meth:`Cadence.update`).
+
+- :func:`young_daly_interval`: the optimum in seconds.
+- :func:`estimate_mtbf`: the MTBF to plan for: configured, observed from the job's fault
+  history, or a prior while no fault has been seen.
+- :func:`choose_interval`: the interval in seconds of training, capped, with the reason in words.
+- :class:`Cadence`: one tier's schedule (a fixed ``N`` or ``"auto"``) that the training loop asks
+  :meth:`Cadence.due` each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Literal, Union
+
+from ftrt.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+Interval = Union[int, Literal["auto"]]
+"""A tier's configured interval: a fixed number of steps (0: never) or ``"auto"``."""
+
+PRIOR_MTBF_S = 3600.0
+"""The MTBF planned for while a job has seen no fault and none is configured: one hour. A job
+that runs longer than that without a fault plans for its own age instead (see
+:func:`estimate_mtbf`)."""
+
+
+def young_daly_interval(save_cost_s: float, mtbf_s: float) -> float:
+    """Seconds of work between checkpoints that maximise expected goodput (Young/Daly).
+
+    ``sqrt(2 C M) - C`` while ``C < 2 M`` (Daly's higher-order estimate; Young's first order
+    without the ``- C``), else ``M``: saving takes longer than the failures leave.
+    """
+    if save_cost_s < 0 or mtbf_s <= 0:
+        raise ValueError(f"save cost ({save_cost_s} s) must be >= 0 and MTBF ({mtbf_s} s) > 0")
+    if save_cost_s >= 2 * mtbf_s:
+        return mtbf_s
+    return math.sqrt(2 * save_cost_s * mtbf_s) - save_cost_s
+
+
+@dataclass(frozen=True)
+class MtbfEstimate:
+    """The MTBF to plan for and where it came from (for the log line)."""
+
+    seconds: float
+    source: str
+
+
+def estimate_mtbf(configured_s: float | None, faults: int, elapsed_s: float,
+                  prior_s: float = PRIOR_MTBF_S) -> MtbfEstimate:
+    """The MTBF to plan for.
+
+    - configured (``--mtbf`` or the trainer's setting): that, always;
+    - ``faults`` failures in the job's ``elapsed_s`` so far: ``elapsed_s / faults``;
+    - none yet: the larger of ``prior_s`` and the job's age (a job that has run two hours
+      without a fault has shown an MTBF of at least two hours).
+    """
+    if configured_s is not None:
+        if configured_s <= 0:
+            raise ConfigError(f"The MTBF must be a positive number of seconds, got {configured_s!r}.")
+        return MtbfEstimate(configured_s, "configured")
+    elapsed = max(elapsed_s, 0.0)
+    if faults > 0 and elapsed > 0:
+        return MtbfEstimate(elapsed / faults, f"observed: {faults} fault(s) in {elapsed:.0f} s")
+    if elapsed > prior_s:
+        return MtbfEstimate(elapsed, f"observed: no fault in {elapsed:.0f} s")
+    return MtbfEstimate(prior_s, f"prior: no fault yet in {elapsed:.0f} s")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """An interval (seconds of training between saves) and the numbers behind it."""
+
+    seconds: float
+    reason: str
+
+
+def choose_interval(save_cost_s: float, mtbf: MtbfEstimate, *, max_interval_s: float) -> Choice:
+    """Seconds of training between two saves: the Young/Daly interval, at most ``max_interval_s``
+    (a bound on what one fault can cost, whatever the estimate says)."""
+    ideal_s = young_daly_interval(save_cost_s, mtbf.seconds)
+    clamp = f", capped at {max_interval_s:g} s" if ideal_s > max_interval_s else ""
+    return Choice(min(ideal_s, max_interval_s),
+                  f"save cost {save_cost_s * 1000:.1f} ms, MTBF {mtbf.seconds:.0f} s ({mtbf.source}): "
+                  f"Young/Daly interval {ideal_s:.2f} s{clamp}")
+
+
+def parse_interval(field: str, value: object) -> Interval:
+    """``"auto"`` or a whole number of steps >= 0, else a :class:`ConfigError` naming ``field``."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{field} = {value!r} is invalid: give 'auto' or a number of steps >= 0.")
+    return value
+
+
+class Cadence:
+    """When one checkpoint tier saves: every ``N`` steps, never (0), or ``"auto"``.
+
+    In ``auto`` mode the first save is due on the first step (it measures what a save costs);
+    after that a save is due once the training time since the last one reaches the interval
+    :func:`choose_interval` gives for the median cost of the recent saves and the MTBF,
+    re-chosen at each :meth:`update`. A new interval replaces the current one only when it
+    differs by more than ``HYSTERESIS`` (so noise does not flip it back and forth), and each one
+    is reported with its numbers. Give :meth:`update` the same numbers on every rank (e.g.
+    all-reduced): the ranks of a job save together, and a pure decision on equal inputs keeps
+    them together.
+
+    Args:
+        name: the tier, for log lines ("memory", "storage").
+        interval: steps between saves, 0 for none, or ``"auto"``.
+        max_interval_s: the most training time ``auto`` lets go unsaved.
+        mtbf: ``(faults, elapsed_s) -> MtbfEstimate`` (usually :func:`estimate_mtbf` bound to the
+            job's configuration); called at each update.
+        on_choice: called as ``on_choice(name, choice)`` with each new :class:`Choice`
+            (default: a log line).
+    """
+
+    COSTS_KEPT = 5
+    HYSTERESIS = 0.2
+
+    def __init__(self, name: str, interval: Interval, *, max_interval_s: float,
+                 mtbf: Callable[[int, float], MtbfEstimate],
+                 on_choice: Callable[[str, Choice], None] | None = None) -> None:
+        self.name = name
+        self.interval = parse_interval(f"{name} interval", interval)
+        if max_interval_s <= 0:
+            raise ConfigError(f"The {name} checkpoint's max interval must be > 0 s, got {max_interval_s!r}.")
+        self.max_interval_s = max_interval_s
+        self._mtbf = mtbf
+        self._on_choice = on_choice or (
+            lambda n, c: log.info("%s checkpoints every %.2f s of training: %s", n, c.seconds, c.reason))
+        self._costs: deque[float] = deque(maxlen=self.COSTS_KEPT + 1)
+        self.choice: Choice | None = None
+        """The current ``auto`` interval (None until a save has been measured, or when fixed)."""
+        self.last_saved: int | None = None
+        self._work_s = 0.0  # training time since the last save
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval != 0
+
+    def due(self, step: int) -> bool:
+        """Whether this tier saves after ``step`` (counted from 1, like the step a save records)."""
+        if self.interval == 0:
+            return False
+        if self.interval != "auto":
+            return step % self.interval == 0
+        if self.last_saved is None or self.choice is None:
+            return self.last_saved != step
+        return step > self.last_saved and self._work_s >= self.choice.seconds
+
+    def saved(self, step: int) -> None:
+        """Record that this tier saved ``step`` (or that the run resumed from it)."""
+        self.last_saved = step
+        self._work_s = 0.0
+
+    def update(self, *, step_s: float, save_cost_s: float | None, faults: int, elapsed_s: float) -> Choice | None:
+        """Take one step's agreed numbers: its duration, the cost of a save that became final since
+        the last update (or None), and the job's fault count and age. Returns the interval when
+        it changed (and reports it), else None."""
+        if self.interval != "auto":
+            return None
+        self._work_s += max(step_s, 0.0)
+        if save_cost_s is not None:
+            self._costs.append(max(save_cost_s, 0.0))
+        if not self._costs:
+            return None
+        # The first save also allocates the staging buffers: leave it out once there are others.
+        costs = list(self._costs)[1:] if len(self._costs) > 1 else list(self._costs)
+        choice = choose_interval(statistics.median(costs), self._mtbf(faults, elapsed_s),
+                                 max_interval_s=self.max_interval_s)
+        current = self.choice
+        if current is not None and abs(choice.seconds - current.seconds) <= self.HYSTERESIS * current.seconds:
+            return None
+        self.choice = choice
+        self._on_choice(self.name, choice)
+        return choice
+
+
+__all__ = ["Cadence", "Choice", "Interval", "MtbfEstimate", "PRIOR_MTBF_S", "choose_interval",
+           "estimate_mtbf", "parse_interval", "young_daly_interval"]

@@ -1,0 +1,34 @@
+"""Diagnostic switches: turn one steady-state component off to measure what it costs.
+
+``FTRT_DIAG_OFF=heartbeat,fence,vote`` (any subset) is read by ``python -m bench overhead
+--breakdown``'s runs, nowhere else. Each switch removes a safety mechanism, so it is for
+measurement only:
+
+- ``heartbeat``: ``rt.heartbeat`` sends nothing (no hang detection, no steps in ``ftrt status``);
+- ``fence``: workers run no fence watchdog (a frozen node's workers outlive its lease);
+- ``vote``: ``Checkpointer.save(skip_if_busy=True)`` decides on this rank's view alone, without
+  the collective that also orders memory checkpoints after every rank's previous step.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "FTRT_DIAG_OFF"
+COMPONENTS = ("heartbeat", "fence", "vote")
+
+
+def parse(raw: str) -> frozenset[str]:
+    """The components named in ``raw`` (comma-separated); an unknown name is a ValueError."""
+    names = frozenset(x.strip() for x in raw.split(",") if x.strip())
+    if unknown := sorted(names - set(COMPONENTS)):
+        raise ValueError(f"{ENV}={raw!r} names {unknown}; the components are {', '.join(COMPONENTS)}.")
+    return names
+
+
+_OFF = parse(os.environ.get(ENV, ""))
+
+
+def off(component: str) -> bool:
+    """Whether ``component`` is switched off in this process."""
+    return component in _OFF
