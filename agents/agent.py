@@ -45,7 +45,8 @@ from ftrt.agents.session import Session
 from ftrt.agents.states import AgentState, check_transition
 from ftrt.agents.worker_env import worker_env
 from ftrt.agents.early import EarlyStart
-from ftrt.agents.workers import Worker, WorkerPool
+from ftrt.agents.workers import Worker, WorkerPool, idle_warm_grace
+from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import (
     FtrtError,
     LeaseLost,
@@ -461,7 +462,8 @@ class Agent:
             rnd.round, offset, offset + len(workers) - 1, rnd.world_size, rnd.reason,
             (time.monotonic() - t0) * 1000,
         )
-        self.pool.refill_later(SPARE_REFILL_DELAY)
+        mtbf = estimate_mtbf(self.cfg.mtbf, rnd.faults, time.time() - (rnd.job_started or time.time()))
+        self.pool.refill_later(SPARE_REFILL_DELAY, idle_grace=idle_warm_grace(mtbf.seconds))
 
     async def _request_restart_unassigned(self, rnd: RoundRecord, detail: str) -> None:
         self.worker_round = rnd.round

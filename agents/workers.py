@@ -26,7 +26,20 @@ from typing import IO, Callable
 log = logging.getLogger(__name__)
 
 IDLE_WARM_GRACE = 2.0
-"""Seconds a replacement spare warms at SCHED_IDLE before it is moved to normal priority."""
+"""The least time a replacement spare warms at SCHED_IDLE before it is moved to normal priority."""
+IDLE_WARM_GRACE_MAX = 600.0
+"""The most (see :func:`idle_warm_grace`)."""
+
+
+def idle_warm_grace(mtbf_s: float) -> float:
+    """Seconds a replacement spare may warm at SCHED_IDLE before it is boosted to normal priority.
+
+    Boosting takes CPU from training on a machine that has none idle (one spare's warm-up is
+    several CPU-seconds); not boosting risks a cold start if the next fault comes before the spare
+    is warm. A quarter of the MTBF, within [2 s, 600 s], keeps that risk near a fifth (the chance of
+    a fault within a quarter MTBF) while a job that rarely fails warms its spares on idle CPU only.
+    """
+    return min(max(0.25 * mtbf_s, IDLE_WARM_GRACE), IDLE_WARM_GRACE_MAX)
 
 REFILL_PROGRESS_WAIT = 10.0
 """Longest wait for the running workers' first heartbeat before used spares are replaced."""
@@ -202,9 +215,10 @@ class WorkerPool:
             need_store = not any(w.hosts_store for w in self.spares)
             self.spares.append(self._spawn(hosts_store=need_store, idle=idle))
 
-    def refill_later(self, delay: float) -> None:
+    def refill_later(self, delay: float, idle_grace: float = IDLE_WARM_GRACE) -> None:
         """Replace used spares at idle priority, ``delay`` seconds after the round started and once
-        every running worker has heartbeaten (at most :data:`REFILL_PROGRESS_WAIT` more)."""
+        every running worker has heartbeaten (at most :data:`REFILL_PROGRESS_WAIT` more); boost
+        them to normal priority if they are not warm ``idle_grace`` seconds later."""
         if not self.warm or self._closed:
             return
         if self._refill is not None and not self._refill.done():
@@ -224,7 +238,7 @@ class WorkerPool:
                 return
             self.fill_spares(idle=bool(self.running))
             try:
-                await asyncio.wait_for(self.spares_ready(), IDLE_WARM_GRACE)
+                await asyncio.wait_for(self.spares_ready(), idle_grace)
             except asyncio.TimeoutError:
                 # The machine has no idle CPU to give: finish warming at normal priority rather
                 # than meet the next fault without spares.

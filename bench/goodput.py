@@ -13,7 +13,9 @@ that one ends a torchrun job for good; ftrt has no such node, but both get the s
   the background, committed atomically) to local disk every ``--ckpt-every`` steps. A restart
   resumes from the last one.
 
-Goodput = productive step time / wall time, from the first step to the end of the schedule.
+Goodput = productive step time / wall time, over a window of ``--duration`` seconds that starts
+once the job trains and, when faults are scheduled, ftrt's spare workers are warm (start-up is
+paid once per job; each run reports it as ``startup_s``).
 Productive step time is the summed duration of the steps that stand at the end: a step a restart
 threw away (trained after the last checkpoint and redone) counts as lost, as does every stall.
 Per fault the table gives the longest pause in training after the kill and after the rejoin.
@@ -92,24 +94,33 @@ def save_result(name: str, res: dict, argv: list[str], t0: float, out: str | Non
     return path
 
 
-def run_one(system: str, *, duration: float, every: float, down: float, ckpt_every: int, grpo: dict,
-            log=print) -> dict:
-    """Run the schedule once for ``system``; return its goodput, faults and step timeline."""
+def run_one(system: str, *, duration: float, every: float, down: float, ckpt_every: int | str, grpo: dict,
+            mtbf: float | None = None, log=print) -> dict:
+    """Run the schedule once for ``system``; return its goodput, faults and step timeline.
+
+    The window of ``duration`` seconds starts once the job trains (3 steps) and, when faults are
+    scheduled, ftrt's spare workers are warm: start-up is paid once per job (and reported as
+    ``startup_s``), while the window stands for the days a job runs. ``mtbf`` is passed to ftrt's
+    agents (``--mtbf``) as the trainer's ``checkpoint.mtbf`` is to both systems.
+    """
     work = Path(tempfile.mkdtemp(prefix=f"bench-goodput-{system}-"))
     metrics = work / "metrics.jsonl"
     overrides = {**grpo, "metrics_path": str(metrics), "checkpoint.url": str(work / "ckpt"),
                  "checkpoint.interval": ckpt_every, "checkpoint.keep": 2}
     script = ["-m", "ftrt.grpo", *(f"{k}={v}" for k, v in overrides.items())]
-    c = Cluster(system, work, nnodes="2:3", max_restarts=1000)
+    c = Cluster(system, work, nnodes="2:3", max_restarts=1000,
+                launch_extra=("--mtbf", f"{mtbf:g}") if mtbf is not None else ())
     faults: list[dict] = []
     try:
+        t_launch = time.time()
         for name in ("n0", "n1", "n2"):
             c.add(name, script)
         wait_until(lambda: len(read_jsonl(metrics)) >= 3, 300, f"{system}'s job to train")
-        wait_until(lambda: all(n.spares_warm() for n in c.nodes.values()) if system == "ftrt" else True,
-                   120, "spare workers to be warm")
+        if math.isfinite(every):
+            wait_until(lambda: all(n.spares_warm() for n in c.nodes.values()), 300, "spare workers to be warm")
         first = read_jsonl(metrics)[0]
-        t_first = first["time"] - first["step_s"]
+        startup = first["time"] - first["step_s"] - t_launch
+        t_first = time.time()
         t_end = t_first + duration
         kills = [t_first + every * k for k in range(1, int(duration // every) + 1) if every * k + down < duration]
         pending_restart: tuple[float, str] | None = None
@@ -130,11 +141,11 @@ def run_one(system: str, *, duration: float, every: float, down: float, ckpt_eve
                 log(f"[goodput] {system}: {time.time() - t_first:6.1f} s  restarted {victim}")
                 pending_restart = None
             time.sleep(0.05)
-        lines = [x for x in read_jsonl(metrics) if x["time"] <= t_end]
+        lines = [x for x in read_jsonl(metrics) if t_first < x["time"] <= t_end]
     finally:
         c.close()
         shutil.rmtree(work, ignore_errors=True)
-    return summarize(system, lines, faults, t_first, duration, ckpt_every)
+    return {**summarize(system, lines, faults, t_first, duration, ckpt_every), "startup_s": round(startup, 2)}
 
 
 def summarize(system: str, lines: list[dict], faults: list[dict], t_first: float, duration: float,
@@ -269,7 +280,8 @@ def main(argv: list[str]) -> int:
         duration = duration_for(every, args.duration, args.down)
         for system in systems:
             r = run_one(system, duration=duration, every=math.inf if every is None else every, down=args.down,
-                        ckpt_every=args.ckpt_every, grpo=job)
+                        ckpt_every=args.ckpt_every, grpo=job,
+                        mtbf=every if args.tell_mtbf and system == "ftrt" else None)
             r["every"] = every
             print(json.dumps({k: v for k, v in r.items() if k != "timeline"}), flush=True)
             rows.append(r)
