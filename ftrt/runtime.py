@@ -15,8 +15,12 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from ftrt import _diag
+
+if TYPE_CHECKING:
+    from ftrt.checkpoint.cadence import Cadence, Choice, Interval
 
 
 def _env_int(name: str, default: int) -> int:
@@ -112,8 +116,8 @@ class Runtime:
             kwargs.setdefault("mem_dir", os.environ["FTRT_MEM_DIR"])
         return Checkpointer(url, keep, storage_options, **kwargs)
 
-    def cadence(self, name: str, interval, *, max_interval_s: float, mtbf: float | None = None,
-                on_choice=None):
+    def cadence(self, name: str, interval: "Interval", *, max_interval_s: float, mtbf: float | None = None,
+                on_choice: "Callable[[str, Choice], None] | None" = None) -> "Cadence":
         """A :class:`ftrt.checkpoint.cadence.Cadence` for one checkpoint tier of this job.
 
         ``interval`` is a number of steps or ``"auto"``; ``mtbf`` (seconds) overrides the

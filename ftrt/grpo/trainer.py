@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import ftrt
+from ftrt.grpo.checkpointing import Cadences
 from ftrt.grpo.config import GRPOConfig
 from ftrt.grpo.loss import aggregate, clipped_surrogate, group_advantages, k3_kl
 from ftrt.grpo.model import build_policy, param_count
@@ -249,66 +250,6 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     if distributed:
         dist.destroy_process_group()
     return summary
-
-
-class Cadences:
-    """When the trainer checkpoints: the memory and storage tiers' :class:`Cadence` and the cost
-    measurements that feed their ``auto`` modes (each save's :attr:`SaveHandle.cost_s`, reported
-    once it is final).
-
-    Every rank must decide alike: :meth:`report` gives the numbers this rank contributes to the
-    step's all-reduce (sums), and :meth:`update` feeds the agreed totals to both cadences.
-    """
-
-    FIELDS = 6  # step time, job age, memory cost sum and count, storage cost sum and count
-
-    def __init__(self, rt: ftrt.Runtime, cfg: GRPOConfig, ck: Any, *, announce: bool) -> None:
-        c = cfg.checkpoint
-
-        def say(tier: str, choice: Any) -> None:
-            if announce:
-                print(f"[ftrt.grpo] {tier} checkpoints every {choice.seconds:.2f} s of training: {choice.reason}",
-                      flush=True)
-
-        memory = c.memory_interval if ck is not None and ck.has_memory_tier else 0
-        self.memory = rt.cadence("memory", memory, max_interval_s=c.memory_max_interval_s, mtbf=c.mtbf,
-                                 on_choice=say)
-        self.storage = rt.cadence("storage", c.interval, max_interval_s=c.max_interval_s, mtbf=c.mtbf,
-                                  on_choice=say)
-        self.rt = rt
-        self._unsettled: list[Any] = []
-
-    def resumed(self, step: int) -> None:
-        """The run restored ``step``: both tiers count their next save from there."""
-        self.memory.saved(step)
-        self.storage.saved(step)
-
-    def started(self, handle: Any) -> None:
-        """A save began (``handle`` from ``Checkpointer.save``)."""
-        if handle.skipped:
-            return
-        self.memory.saved(handle.step)  # a storage save also leaves a memory copy (with the tier)
-        if handle.persisting:
-            self.storage.saved(handle.step)
-        self._unsettled.append(handle)
-
-    def report(self, step_s: float) -> list[float]:
-        """This rank's contribution to the step's all-reduce: the last step's duration, the job's
-        age, and the costs of its saves that became final since the last report."""
-        out = [step_s, time.time() - self.rt.job_started, 0.0, 0.0, 0.0, 0.0]
-        for h in [h for h in self._unsettled if h.settled()]:
-            self._unsettled.remove(h)
-            at = 4 if h.persisting else 2
-            out[at] += h.cost_s
-            out[at + 1] += 1
-        return out
-
-    def update(self, agreed: list[float], world: int) -> None:
-        """Feed the all-reduced sums of :meth:`report` (over ``world`` ranks) to both cadences."""
-        step_s, age, mem_sum, mem_n, sto_sum, sto_n = agreed
-        for cadence, total, n in ((self.memory, mem_sum, mem_n), (self.storage, sto_sum, sto_n)):
-            cadence.update(step_s=step_s / world, save_cost_s=total / n if n else None,
-                           faults=self.rt.faults, elapsed_s=age / world)
 
 
 def _gather(mine: Any, distributed: bool, world: int) -> list[Any]:
