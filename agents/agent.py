@@ -45,7 +45,7 @@ from ftrt.agents.session import Session
 from ftrt.agents.states import AgentState, check_transition
 from ftrt.agents.worker_env import worker_env
 from ftrt.agents.early import EarlyStart
-from ftrt.agents.workers import Worker, WorkerPool, idle_warm_grace
+from ftrt.agents.workers import Worker, WorkerPool, change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import (
     FtrtError,
@@ -462,8 +462,9 @@ class Agent:
             rnd.round, offset, offset + len(workers) - 1, rnd.world_size, rnd.reason,
             (time.monotonic() - t0) * 1000,
         )
-        mtbf = estimate_mtbf(self.cfg.mtbf, rnd.faults, time.time() - (rnd.job_started or time.time()))
-        self.pool.refill_later(SPARE_REFILL_DELAY, idle_grace=idle_warm_grace(mtbf.seconds))
+        age = time.time() - (rnd.job_started or time.time())
+        mtbf = estimate_mtbf(self.cfg.mtbf, rnd.faults, age).seconds
+        self.pool.refill_later(SPARE_REFILL_DELAY, idle_grace=idle_warm_grace(change_interval(mtbf, rnd.round, age)))
 
     async def _request_restart_unassigned(self, rnd: RoundRecord, detail: str) -> None:
         self.worker_round = rnd.round

@@ -31,15 +31,24 @@ IDLE_WARM_GRACE_MAX = 600.0
 """The most (see :func:`idle_warm_grace`)."""
 
 
-def idle_warm_grace(mtbf_s: float) -> float:
-    """Seconds a replacement spare may warm at SCHED_IDLE before it is boosted to normal priority.
+def idle_warm_grace(change_interval_s: float) -> float:
+    """Seconds a replacement spare may warm at SCHED_IDLE before it is boosted to normal priority,
+    given the expected seconds until the job's membership next changes (a fault, or a node
+    joining: either round needs warm spares).
 
     Boosting takes CPU from training on a machine that has none idle (one spare's warm-up is
-    several CPU-seconds); not boosting risks a cold start if the next fault comes before the spare
-    is warm. A quarter of the MTBF, within [2 s, 600 s], keeps that risk near a fifth (the chance of
-    a fault within a quarter MTBF) while a job that rarely fails warms its spares on idle CPU only.
+    several CPU-seconds); not boosting risks a cold start if the next change comes before the
+    spare is warm. A tenth of the expected interval, within [2 s, 600 s], keeps that risk near a
+    tenth, while a job whose membership rarely changes warms its spares on idle CPU only.
     """
-    return min(max(0.25 * mtbf_s, IDLE_WARM_GRACE), IDLE_WARM_GRACE_MAX)
+    return min(max(0.1 * change_interval_s, IDLE_WARM_GRACE), IDLE_WARM_GRACE_MAX)
+
+
+def change_interval(mtbf_s: float, rounds: int, age_s: float) -> float:
+    """Expected seconds between membership changes: the MTBF, or the job's observed mean time
+    between rounds (faults and joins alike) when that is shorter."""
+    observed = age_s / (rounds - 1) if rounds > 1 and age_s > 0 else float("inf")
+    return min(mtbf_s, observed)
 
 REFILL_PROGRESS_WAIT = 10.0
 """Longest wait for the running workers' first heartbeat before used spares are replaced."""

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from ftrt.agents.workers import IDLE_WARM_GRACE, IDLE_WARM_GRACE_MAX, idle_warm_grace
+from ftrt.agents.workers import IDLE_WARM_GRACE, IDLE_WARM_GRACE_MAX, change_interval, idle_warm_grace
 
 
-def test_spares_warm_on_idle_cpu_longer_when_faults_are_rarer():
-    assert idle_warm_grace(60) == 15  # a fault a minute: boosted after 15 s
+def test_spares_warm_on_idle_cpu_longer_when_membership_changes_are_rarer():
+    assert idle_warm_grace(60) == 6  # a change a minute: boosted after 6 s
     assert idle_warm_grace(1) == IDLE_WARM_GRACE  # never less than the floor
-    assert idle_warm_grace(3600) == IDLE_WARM_GRACE_MAX  # rare faults: idle CPU only, for long
+    assert idle_warm_grace(3600 * 24) == IDLE_WARM_GRACE_MAX  # rare changes: idle CPU only, for long
     assert idle_warm_grace(60) < idle_warm_grace(600) < idle_warm_grace(3600)
+
+
+def test_joins_count_as_changes_as_well_as_faults():
+    assert change_interval(3600, rounds=1, age_s=500) == 3600  # only the first round: the MTBF
+    assert change_interval(3600, rounds=11, age_s=300) == 30  # 10 changes in 5 minutes
+    assert change_interval(20, rounds=3, age_s=300) == 20  # faults expected more often than seen
