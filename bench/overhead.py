@@ -120,7 +120,10 @@ def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict
         raise RuntimeError(f"{system}: the job did not train steps 0..{steps - 1} cleanly "
                            f"(exit codes {codes}, {len(lines)} steps logged); its logs are in {work}")
     shutil.rmtree(work, ignore_errors=True)
-    start = max(warmup, next((i for i, x in enumerate(lines) if warm_at is not None and x["time"] >= warm_at), steps))
+    # Spares warm at idle priority (for longer when faults are rare): if they were not warm before
+    # the job ended, their idle warm-up is part of the window, and the row says so.
+    start = max(warmup, next((i for i, x in enumerate(lines) if warm_at is not None and x["time"] >= warm_at),
+                             warmup if warm_at is None else steps))
     steady = lines[start:]
     if len(steady) < 20:
         raise RuntimeError(f"{system}: only {len(steady)} steps ran after warm-up (spares warm at step {start}); "
@@ -129,7 +132,7 @@ def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict
     out = {"system": system, "step_s": round(per_step, 5),
            "median_compute_s": round(statistics.median(x["step_s"] for x in steady), 5),
            "longest_step_gap_s": round(max(b["time"] - a["time"] for a, b in zip(steady, steady[1:])), 3),
-           "steps": steps, "measured_from": start, "wall_s": round(wall, 1),
+           "steps": steps, "measured_from": start, "wall_s": round(wall, 1), "spares_warm": warm_at is not None,
            "control_cpu_ms_per_s": control_cpu(cpu, steady[0]["time"], steady[-1]["time"]), "pinned": pin}
     if trace_s:
         if sched is None:
