@@ -23,24 +23,23 @@ if TYPE_CHECKING:
     from ftrt.checkpoint.cadence import Cadence, Choice, Interval
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_num(name: str, default, cast):
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        return cast(raw)
     except ValueError:
-        raise ValueError(f"Environment variable {name}={raw!r} is not an integer.") from None
+        kind = "an integer" if cast is int else "a number"
+        raise ValueError(f"Environment variable {name}={raw!r} is not {kind}.") from None
+
+
+def _env_int(name: str, default: int) -> int:
+    return _env_num(name, default, int)
 
 
 def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"Environment variable {name}={raw!r} is not a number.") from None
+    return _env_num(name, default, float)
 
 
 @dataclass
