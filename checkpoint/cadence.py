@@ -155,10 +155,6 @@ class Cadence:
         self.last_saved: int | None = None
         self._work_s = 0.0  # training time since the last save
 
-    @property
-    def enabled(self) -> bool:
-        return self.interval != 0
-
     def due(self, step: int) -> bool:
         """Whether this tier saves after ``step`` (counted from 1, like the step a save records)."""
         if self.interval == 0:
