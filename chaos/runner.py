@@ -98,7 +98,8 @@ class ChaosRun:
                 "metrics_path": str(self.work / f"{run}-metrics.jsonl"), **ckpt}
         return ["--etcd", endpoints, "--job-id", job_id, "--nnodes", f"{c.min_nodes or 1}:{max_nodes}",
                 "--nproc-per-node", str(c.workers_per_node), "--lease-ttl", str(c.lease_ttl),
-                "--hang-timeout", str(c.hang_timeout), "--first-round-wait", "5", "-m", "ftrt.grpo",
+                "--hang-timeout", str(c.hang_timeout), "--first-round-wait", "5",
+                *(["--mtbf", f"{mtbf:g}"] if (mtbf := self.sc.agent_mtbf()) is not None else []), "-m", "ftrt.grpo",
                 *(f"{k}={_yaml(v)}" for k, v in grpo.items())]
 
     def faults(self) -> list[Fault]:

@@ -35,6 +35,11 @@ STORM_KINDS = ("kill_worker", "kill_node", "freeze_worker", "freeze_node", "part
 """What a storm may draw (each only where the cluster supports it)."""
 
 
+DEFAULT_FAULTY_MTBF_S = 60.0
+"""The fault rate a scenario with faults tells its agents to expect unless it says otherwise: a
+chaos run's faults come minutes apart at most, as an operator who knows the rate would configure."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -48,6 +53,9 @@ class Cluster(_Strict):
     min_nodes: int | None = Field(None, ge=1, description="--nnodes MIN (default 1)")
     lease_ttl: float = Field(2.0, gt=0, description="--lease-ttl of every agent")
     hang_timeout: float = Field(10.0, gt=0, description="--hang-timeout of every agent")
+    mtbf: float | None = Field(None, gt=0, description="--mtbf of every agent: the seconds between faults "
+                               "the job is told to expect (spare warm-up, auto checkpoint cadence); default: "
+                               f"the storm's mtbf_s, else {DEFAULT_FAULTY_MTBF_S:g} when the scenario has faults")
     netns: bool = Field(False, description="each node in its own network namespace (root only; "
                         "needed by partition_node; scenarios are skipped with a reason elsewhere)")
     storage: Literal["local", "s3"] = Field("local", description="where checkpoints go: a local "
@@ -145,6 +153,14 @@ class Scenario(_Strict):
             if self.storm.duration_s <= self.storm.start_s:
                 raise ValueError(f"storm.duration_s {self.storm.duration_s} must exceed storm.start_s {self.storm.start_s}")
         return self
+
+    def agent_mtbf(self) -> float | None:
+        """The ``--mtbf`` every agent gets (None: the agents' own default)."""
+        if self.cluster.mtbf is not None:
+            return self.cluster.mtbf
+        if self.storm is not None:
+            return self.storm.mtbf_s
+        return DEFAULT_FAULTY_MTBF_S if self.faults else None
 
 
 def storm_faults(storm: Storm, seed: int) -> list[Fault]:
