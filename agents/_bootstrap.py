@@ -96,6 +96,8 @@ def main() -> None:
     fence_path = os.environ.get("FTRT_FENCE_FILE")
     from ftrt import _diag
 
+    _diag.mark("assigned")
+
     if fence_path and not _diag.off("fence"):
         from ftrt.agents.fence import start_watchdog
 

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL when a new round replaces workers (default 0)")
     add("--no-warm", dest="warm_workers", action="store_false", help="start workers cold (no spares)")
     add("--warm-import", dest="warm_imports", action="append", default=None, metavar="MODULE",
-        help="module spares import while waiting (repeatable; default torch, torch.distributed, torch.nn.parallel, torch._dynamo)")
+        help="module spares import while waiting (repeatable; default torch, torch.distributed, torch.nn.parallel, "
+             "torch._dynamo, DCP and ftrt's checkpointer, plus the package of an ftrt module run with -m)")
     add("--exit-barrier-timeout", dest="exit_barrier_timeout", type=float, default=300.0,
         help="seconds a finished node waits for the others")
     add("--replica-interval", dest="replica_interval", type=float, default=10.0,
@@ -135,7 +136,7 @@ def config_from_namespace(ns: argparse.Namespace) -> "LaunchConfig":
 
 def launch_main(argv: list[str]) -> int:
     from ftrt.agents.early import EarlyStart
-    from ftrt.agents.workers import DEFAULT_WARM_IMPORTS
+    from ftrt.agents.workers import warm_imports_for
 
     ns = build_parser().parse_args(argv)
     early = None
@@ -143,7 +144,8 @@ def launch_main(argv: list[str]) -> int:
         # Spares start now, before the imports below: see ftrt.agents.early.
         early = EarlyStart.begin(
             nproc=ns.nproc_per_node, warm=True,
-            warm_imports=tuple(ns.warm_imports) if ns.warm_imports else DEFAULT_WARM_IMPORTS,
+            warm_imports=tuple(ns.warm_imports) if ns.warm_imports else
+            warm_imports_for(ns.target if ns.is_module else None),
         )
     try:
         cfg = config_from_namespace(ns)

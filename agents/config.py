@@ -14,7 +14,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ftrt.agents.keys import check_id
-from ftrt.agents.workers import DEFAULT_WARM_IMPORTS
+from ftrt.agents.workers import DEFAULT_WARM_IMPORTS, warm_imports_for
 from ftrt.errors import ConfigError
 
 
@@ -129,6 +129,8 @@ class LaunchConfig(BaseModel):
 
 def load_config(**values) -> LaunchConfig:
     """Build a :class:`LaunchConfig`, raising :class:`ConfigError` with readable messages."""
+    if "warm_imports" not in values:
+        values["warm_imports"] = warm_imports_for(values.get("module"))
     try:
         return LaunchConfig(**values)
     except ValidationError as exc:

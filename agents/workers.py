@@ -53,9 +53,35 @@ def change_interval(mtbf_s: float, rounds: int, age_s: float) -> float:
 REFILL_PROGRESS_WAIT = 10.0
 """Longest wait for the running workers' first heartbeat before used spares are replaced."""
 
-DEFAULT_WARM_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+DEFAULT_WARM_IMPORTS = (
+    "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+    "torch.distributed.checkpoint", "ftrt.checkpoint.checkpointer", "ftrt.checkpoint.pointer",
+)
 """What spares import while they wait. DDP and every torch.optim optimizer import torch._dynamo
-on first use (2-3 s here), so a spare that skipped it would pay it after its assignment."""
+on first use (2-3 s here), so a spare that skipped it would pay it after its assignment; a
+restore needs DCP, ftrt's checkpointer and the etcd client (~0.3 s more here)."""
+
+
+def warm_imports_for(module: str | None) -> tuple[str, ...]:
+    """The default warm imports for a job run as ``-m module`` (None: a script).
+
+    An ftrt module's package is imported too: ``runpy`` imports it anyway before it runs the
+    module, and ftrt's packages read nothing from the environment at import (a worker's rank
+    and round arrive after the spare imported them). A user's package may (say, a device chosen
+    from ``LOCAL_RANK`` at import), so it is warm-imported only when named with ``--warm-import``.
+    """
+    if not module or module.split(".")[0] != "ftrt":
+        return DEFAULT_WARM_IMPORTS
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return DEFAULT_WARM_IMPORTS
+    if spec is None:
+        return DEFAULT_WARM_IMPORTS
+    package = module if spec.submodule_search_locations is not None else module.rpartition(".")[0]
+    return (*DEFAULT_WARM_IMPORTS, package) if package and package != "ftrt" else DEFAULT_WARM_IMPORTS
 
 
 @dataclass(eq=False)

@@ -144,7 +144,10 @@ def run_one(system: str, *, duration: float, every: float, down: float, ckpt_eve
         lines = [x for x in read_jsonl(metrics) if t_first < x["time"] <= t_end]
     finally:
         c.close()
-        shutil.rmtree(work, ignore_errors=True)
+        if os.environ.get("FTRT_BENCH_KEEP"):  # keep the agents' and workers' logs to explain a run
+            log(f"[goodput] {system}: kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     return {**summarize(system, lines, faults, t_first, duration, ckpt_every), "startup_s": round(startup, 2)}
 
 

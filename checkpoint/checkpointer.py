@@ -494,10 +494,12 @@ class Checkpointer:
         found = None
         if self.rank == 0:
             limit0 = self.latest_limit() if self.latest_limit is not None else None
+            _diag.mark("restore.pointer")
             try:
                 found = (limit0, list_steps(self.loc), None)
             except Exception as exc:  # storage down: the memory tier may not need it
                 found = (limit0, None, exc)
+            _diag.mark("restore.listed")
         limit, steps, storage_error = self._broadcast(found)
         if storage_error is not None:
             log.warning("cannot list the checkpoints in %s (%s); trying the memory tier alone",
@@ -547,6 +549,7 @@ class Checkpointer:
         if pick is None or pick[0] < newest_storage:
             return None
         step, rnd, world, holders = pick
+        _diag.mark("restore.memory.chosen")
         indexes = self._all_gather({m["rank"]: m for m in mine if (m["step"], m["round"], m["world"]) == (step, rnd, world)})
         old = {r: indexes[h][r] for r, h in holders.items()}
         target = st.to_dcp(state)
@@ -571,6 +574,7 @@ class Checkpointer:
             dist.broadcast(buf, src=dist.get_global_rank(self._pg, holder), group=self._pg)
             if r in needs[self.rank][0]:
                 arenas[r] = buf
+        _diag.mark("restore.memory.fetched")
         try:
             memtier.fill(t_flat, old, arenas, files={r: m["file"] for r, m in local.items()})
             error = None
@@ -580,6 +584,7 @@ class Checkpointer:
         if errors:
             log.warning("memory tier could not restore (%s); using storage", errors[0])
             return None
+        _diag.mark("restore.memory.filled")
         loaded = memtier.unflatten(memtier.skeleton_of(old[min(old)]), t_flat)
         st.apply(state, loaded)
         log.info("restored checkpoint step %d from memory (saved by %d ranks in round %d)", step, world, rnd)

@@ -8,11 +8,17 @@ measurement only:
 - ``fence``: workers run no fence watchdog (a frozen node's workers outlive its lease);
 - ``vote``: ``Checkpointer.save(skip_if_busy=True)`` decides on this rank's view alone, without
   the collective that also orders memory checkpoints after every rank's previous step.
+
+``FTRT_DIAG_TRACE=PATH`` makes :func:`mark` append one JSON line per phase of a worker's start
+(assigned, process group, restore, first step) to ``PATH``, so a bench can split a pause into its
+parts. Off (the default), :func:`mark` does nothing.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 ENV = "FTRT_DIAG_OFF"
 COMPONENTS = ("heartbeat", "fence", "vote")
@@ -32,3 +38,16 @@ _OFF = parse(os.environ.get(ENV, ""))
 def off(component: str) -> bool:
     """Whether ``component`` is switched off in this process."""
     return component in _OFF
+
+
+TRACE_ENV = "FTRT_DIAG_TRACE"
+
+
+def mark(event: str, **fields: object) -> None:
+    """Append ``{"event", "time", "pid", "rank", **fields}`` to ``$FTRT_DIAG_TRACE`` if it is set."""
+    path = os.environ.get(TRACE_ENV)
+    if not path:
+        return
+    line = {"event": event, "time": time.time(), "pid": os.getpid(), "rank": os.environ.get("RANK"), **fields}
+    with open(path, "a", encoding="utf-8") as f:  # one short write: lines from processes do not interleave
+        f.write(json.dumps(line) + "\n")

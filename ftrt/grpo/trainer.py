@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import ftrt
+from ftrt import _diag
 from ftrt.grpo.checkpointing import Cadences
 from ftrt.grpo.config import GRPOConfig
 from ftrt.grpo.loss import aggregate, clipped_surrogate, group_advantages, k3_kl
@@ -115,6 +116,7 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     distributed = rt.world_size > 1
     if distributed and not dist.is_initialized():
         dist.init_process_group("gloo")
+    _diag.mark("process_group")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     task = make_task(cfg.task.name, cfg.task.params)
     max_new = cfg.max_new_tokens or task.answer_len
@@ -133,11 +135,15 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
         "model": model, "optim": opt,
         "trainer": {"step": 0, "frontier": 0, "redone": 0, "resumes": 0, "tokens": 0},
     }
+    _diag.mark("model")
     ck = rt.checkpointer(cfg.checkpoint.url, keep=cfg.checkpoint.keep,
                          storage_options=cfg.checkpoint.storage_options) if cfg.checkpoint.url else None
+    _diag.mark("checkpointer")
     cadence = Cadences(rt, cfg, ck, announce=rank == 0)
     metrics = Metrics(cfg.metrics_path if rank == 0 else None)
+    _diag.mark("built")
     restored = ck.restore(state) if ck is not None else None
+    _diag.mark("restored", tier=ck.last_restore_tier if restored is not None else None)
     tr = state["trainer"]
     if restored is not None:
         tr["resumes"] += 1
@@ -160,6 +166,7 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     dt = 0.0
     rewards: list[float] = []
     t_start = time.perf_counter()
+    first_step = tr["step"]
     for step in range(tr["step"], cfg.steps):
         t0 = time.perf_counter()
         frontier = tr["frontier"]
@@ -227,6 +234,8 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
             "ckpt": "storage" if persist else "memory" if keep else None,  # the save due after this step
         }
         metrics.append(record)
+        if step == first_step:
+            _diag.mark("first_step", step=step, step_s=dt)
         bar.update(step + 1, reward_mean, total_tokens / dt, world)
         rt.heartbeat(step + 1)
         if keep:

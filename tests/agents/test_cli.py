@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -163,3 +164,25 @@ def test_workers_learn_the_configured_mtbf_and_the_jobs_fault_history(tmp_path):
     assert {s["mtbf"] for s in seen.values()} == {90.0}
     started = {s["job_started"] for s in seen.values()}
     assert len(started) == 1 and t0 <= started.pop() <= time.time()  # the first round's time, kept
+
+
+WARM_CHECK_SCRIPT = """
+import json, os, sys
+from pathlib import Path
+Path(sys.argv[1], f"rank{os.environ['RANK']}.json").write_text(json.dumps(
+    {"checkpointer": "ftrt.checkpoint.checkpointer" in sys.modules, "dcp": "torch.distributed.checkpoint" in sys.modules}))
+"""
+
+
+def test_a_warm_worker_starts_with_the_checkpointer_imported_and_its_start_can_be_traced(tmp_path):
+    script = tmp_path / "warm.py"
+    script.write_text(WARM_CHECK_SCRIPT)
+    trace = tmp_path / "trace.jsonl"
+    res = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "launch", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "FTRT_DIAG_TRACE": str(trace)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert seen == [{"checkpointer": True, "dcp": True}] * 2  # imported by the spare, before the assignment
+    marks = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sorted((m["event"], m["rank"]) for m in marks) == [("assigned", "0"), ("assigned", "1")]
