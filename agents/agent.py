@@ -30,6 +30,7 @@ import tempfile
 import time
 import uuid
 
+from ftrt.agents.boundary import RoundEndWriter, boundary_timeout, planned_change
 from ftrt.agents.config import LaunchConfig
 from ftrt.agents.decide import RendezvousConfig
 from ftrt.agents.events import EventLog
@@ -116,6 +117,8 @@ class Agent:
         self._etcd: EtcdServer | None = None
         self._server = None
         self._fence: FenceWriter | None = None
+        self._round_end: RoundEndWriter | None = None
+        self._worker_record: RoundRecord | None = None  # the round this node's workers run in
         self._run_dir = ""
         self._events: EventLog | None = None
         self._monitor: PeerMonitor | None = None
@@ -162,6 +165,7 @@ class Agent:
         self.host = cfg.host or ("127.0.0.1" if cfg.standalone else detect_host(cfg.etcd or ""))
         early = self._early or EarlyStart.for_config(cfg)
         self._run_dir, self._fence, self.mem_dir = early.run_dir, early.fence, early.mem_dir
+        self._round_end = early.round_end
         self.replicator = Replicator(cfg.node_id, self.mem_dir, cfg.replica_interval)
         self.replicator.start()
         self.pool = WorkerPool(
@@ -420,9 +424,27 @@ class Agent:
             return
         await self._start_round(rnd)
 
+    async def _end_at_boundary(self, old: RoundRecord, new: RoundRecord) -> None:
+        """Before a planned round replaces ``old``, let the workers that poll for it finish their
+        step, save it and exit (:mod:`ftrt.agents.boundary`), for at most a few steps."""
+        polling = [w for w in self.pool.running if w.polls_boundary and w.exit_code is None]
+        if not polling or not planned_change(old, new):
+            return
+        timeout = boundary_timeout(max((w.step_interval or 0.0 for w in polling), default=0.0) or None)
+        t0 = time.monotonic()
+        self._round_end.request(old.round)
+        if await self.pool.wait_exited(polling, timeout):
+            self.log.info("round %d ended at a step boundary (step %s) in %.0f ms: its workers saved and stopped",
+                          old.round, max(w.step for w in polling), (time.monotonic() - t0) * 1000)
+        else:
+            self.log.warning("round %d: workers did not stop at a step boundary within %.1f s; stopping them",
+                             old.round, timeout)
+
     async def _start_round(self, rnd: RoundRecord) -> None:
         t0 = time.monotonic()
         if self.pool.running:
+            if self._worker_record is not None:
+                await self._end_at_boundary(self._worker_record, rnd)
             await self.pool.stop_running(self.cfg.restart_grace)
         if rnd.members[0].node_id == self.cfg.node_id:
             workers = await self.pool.take()
@@ -455,7 +477,7 @@ class Agent:
                 w, local_rank=local_rank, rank=offset + local_rank, round_no=rnd.round, env=env,
                 script=self.cfg.script, module=self.cfg.module, argv=self.cfg.script_args,
             )
-        self.worker_round = rnd.round
+        self.worker_round, self._worker_record = rnd.round, rnd
         self._set_state(AgentState.RUNNING)
         self.log.info(
             "round %d: started ranks %d-%d of %d (%s) in %.0f ms",
@@ -528,6 +550,8 @@ class Agent:
             await asyncio.to_thread(self._etcd.stop)
         if self._fence is not None:
             self._fence.close()
+        if self._round_end is not None:
+            self._round_end.close()
         if self.replicator is not None:
             await self.replicator.close()
         if self._run_dir:

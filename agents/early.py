@@ -14,6 +14,7 @@ import signal
 import tempfile
 from dataclasses import dataclass, field
 
+from ftrt.agents import boundary
 from ftrt.agents.fence import FenceWriter
 from ftrt.agents.replicator import make_mem_dir
 from ftrt.agents.workers import Spawned, spawn_bootstrap
@@ -25,6 +26,7 @@ class EarlyStart:
 
     run_dir: str
     fence: FenceWriter
+    round_end: boundary.RoundEndWriter
     base_env: dict[str, str]
     mem_dir: str
     spawned: list[Spawned] = field(default_factory=list)
@@ -33,12 +35,14 @@ class EarlyStart:
     def begin(cls, *, nproc: int, warm: bool, warm_imports: tuple[str, ...], spawn: bool = True) -> "EarlyStart":
         run_dir = tempfile.mkdtemp(prefix="ftrt-agent-")
         fence = FenceWriter(os.path.join(run_dir, "fence"))
+        round_end = boundary.RoundEndWriter(os.path.join(run_dir, "round_end"))
         mem_dir = make_mem_dir()
         base_env = dict(os.environ)
         base_env["FTRT_MEM_DIR"] = mem_dir
+        base_env[boundary.ENV] = round_end.path
         if nproc > 1 and "OMP_NUM_THREADS" not in base_env:
             base_env["OMP_NUM_THREADS"] = "1"  # as torchrun does for several workers per node
-        early = cls(run_dir, fence, base_env, mem_dir)
+        early = cls(run_dir, fence, round_end, base_env, mem_dir)
         if spawn and warm:
             for i in range(nproc):
                 early.spawned.append(spawn_bootstrap(

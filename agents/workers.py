@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
+from ftrt.agents import boundary
+
 log = logging.getLogger(__name__)
 
 IDLE_WARM_GRACE = 2.0
@@ -158,6 +160,10 @@ class Worker:
     round: int = 0
     step: int = -1
     last_heartbeat: float | None = None
+    step_interval: float | None = None
+    """Seconds per step between its last two heartbeats (None before two)."""
+    polls_boundary: bool = False
+    """It polls the round-end file (:mod:`ftrt.agents.boundary`): a planned round waits for it."""
     assigned_at: float = 0.0
     exit_code: int | None = None
     stopping: bool = False
@@ -343,6 +349,13 @@ class WorkerPool:
         workers, self.running = self.running, []
         await self._stop(workers, grace)
 
+    async def wait_exited(self, workers: list[Worker], timeout: float) -> bool:
+        """Wait until each of ``workers`` exited, at most ``timeout`` seconds; True if all did."""
+        live = [w for w in workers if w.exit_code is None]
+        if live:
+            await asyncio.wait([asyncio.ensure_future(w.exited.wait()) for w in live], timeout=timeout)
+        return all(w.exited.is_set() for w in workers)
+
     def kill_running_now(self) -> None:
         """SIGKILL every assigned worker without waiting (fencing)."""
         for w in self.running:
@@ -426,10 +439,14 @@ class WorkerPool:
                     continue
                 kind = msg.get("t")
                 if kind == "hb":
-                    worker.step = int(msg.get("step", -1))
-                    worker.last_heartbeat = time.monotonic()
+                    step, now = int(msg.get("step", -1)), time.monotonic()
+                    if worker.last_heartbeat is not None and step > worker.step >= 0:
+                        worker.step_interval = (now - worker.last_heartbeat) / (step - worker.step)
+                    worker.step, worker.last_heartbeat = step, now
                     if self.on_heartbeat is not None:
                         self.on_heartbeat(worker)
+                elif kind == boundary.REPORT:
+                    worker.polls_boundary = True
                 elif kind == "mem" and self.on_memory is not None:
                     self.on_memory(int(msg.get("rank", -1)), int(msg.get("step", -1)))
                 elif kind == "ready":

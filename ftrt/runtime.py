@@ -15,7 +15,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ftrt import _diag
 
@@ -66,6 +66,7 @@ class Runtime:
     """The MTBF the operator configured (``ftrt launch --mtbf``), or None."""
     last_step: int = -1
     _report_fd: int = field(default=-1, repr=False)
+    _round_end: Any = field(default=None, repr=False)  # opened by the first round_ending()
 
     def heartbeat(self, step: int) -> None:
         """Tell the agent this worker reached ``step``. Non-blocking; a no-op outside ftrt.
@@ -77,6 +78,31 @@ class Runtime:
         if _diag.off("heartbeat"):
             return
         self.report({"t": "hb", "step": self.last_step, "time": time.time()})
+
+    def round_ending(self) -> bool:
+        """Whether this worker's agent asked its round to end at the next step boundary.
+
+        A node is joining: the job's state is intact, and rather than being killed mid-step this
+        worker may finish its step, save a checkpoint of it and exit (any exit code), so that the
+        new round resumes from that step with nothing redone. Data-parallel ranks must agree on
+        the step first, since each sees the request at its own moment: e.g. add
+        ``float(rt.round_ending())`` to a tensor the step already all-reduces and stop when the
+        sum is positive, as the GRPO trainer does. Cheap (one read of mapped memory); call it
+        once per step.
+
+        The first call tells the agent that this worker polls; the agent then waits for it (at
+        most a few steps) before it starts the new round. A worker that never calls it is
+        stopped at once, as before. Outside ``ftrt launch`` this is always False.
+        """
+        if self._round_end is None:
+            from ftrt.agents import boundary
+
+            path = os.environ.get(boundary.ENV)
+            if not self.launched_by_ftrt or not path:
+                return False
+            self._round_end = boundary.RoundEndReader(path)
+            self.report({"t": boundary.REPORT})
+        return self._round_end.ending(self.round)
 
     def report(self, message: dict) -> None:
         """Send one JSON message to the agent (non-blocking; dropped if the agent is behind)."""

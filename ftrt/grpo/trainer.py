@@ -167,6 +167,7 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     rewards: list[float] = []
     t_start = time.perf_counter()
     first_step = tr["step"]
+    ended_for_round = False
     for step in range(tr["step"], cfg.steps):
         t0 = time.perf_counter()
         frontier = tr["frontier"]
@@ -214,9 +215,13 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
                 pending = None
             opt.step()
         # The cadence's inputs ride on this collective, so every rank decides on the same numbers.
-        sums = _all_reduce(torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum, *cadence.report(dt)],
-                                        dtype=torch.float64), distributed)
-        reward_sum, loss_total, kl_total, *agreed = sums.tolist()
+        # A node is joining: end this round after this step, saved (the new round redoes nothing).
+        # Without a checkpointer there is nothing to resume from: the agent stops us at once.
+        ending_here = ck is not None and rt.round_ending()
+        sums = _all_reduce(torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum, float(ending_here),
+                                         *cadence.report(dt)], dtype=torch.float64), distributed)
+        reward_sum, loss_total, kl_total, ending, *agreed = sums.tolist()
+        round_ends = ending > 0
         cadence.update(agreed, world)
         parts = _gather((rt.node_id, mine), distributed, world)  # which node trained which prompts
         ids = [i for _, part in parts for i in part]
@@ -238,11 +243,17 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
             _diag.mark("first_step", step=step, step_s=dt)
         bar.update(step + 1, reward_mean, total_tokens / dt, world)
         rt.heartbeat(step + 1)
-        if keep:
+        if keep or round_ends:
             # Slow storage must not slow training: a save that would queue behind an unfinished
-            # one is skipped (memory copy only); the final one always goes to storage.
-            pending = ck.save(step + 1, state, persist=persist, skip_if_busy=step + 1 < cfg.steps)
+            # one is skipped (memory copy only); the final one, and the one a round ends with,
+            # never are.
+            pending = ck.save(step + 1, state, persist=persist or (round_ends and not ck.has_memory_tier),
+                              skip_if_busy=step + 1 < cfg.steps and not round_ends)
             cadence.started(pending)
+        if round_ends:
+            pending.wait()  # the new round resumes from this save
+            ended_for_round = True
+            break
     bar.close()
     if ck is not None:
         ck.close()  # waits for the last save: the final state is committed before we report
@@ -251,9 +262,12 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     summary = {
         "steps": tr["step"], "final_reward": sum(last) / len(last) if last else None,
         "world_size": world, "tokens": tr["tokens"], "wall_s": wall, "redone": tr["redone"],
-        "resumes": tr["resumes"],
+        "resumes": tr["resumes"], "ended_for_round": ended_for_round,
     }
-    if rank == 0 and rewards:
+    if rank == 0 and ended_for_round:
+        print(f"[ftrt.grpo] round {rt.round} ends after step {tr['step'] - 1}: saved; the next round resumes "
+              f"at step {tr['step']}", flush=True)
+    elif rank == 0 and rewards:
         print(f"[ftrt.grpo] done: {tr['step']} steps, mean reward of the last {len(last)} steps "
               f"{summary['final_reward']:.3f}, {wall:.1f} s this run, {tr['redone']} step(s) redone", flush=True)
     if distributed:

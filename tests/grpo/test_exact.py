@@ -84,3 +84,30 @@ def test_a_lost_node_shrinks_the_world_and_trains_exactly_the_same_prompts(tmp_p
     assert sorted(ledger) == list(range(STEPS * PROMPTS)) and len(set(ledger)) == len(ledger)
     worlds = [x["world_size"] for x in run]
     assert 2 in worlds and worlds[-1] == 1 and worlds == sorted(worlds, reverse=True), worlds
+
+
+def test_a_joining_node_ends_the_round_at_a_step_boundary_and_nothing_is_redone(tmp_path, etcd_endpoint, job_id):
+    # Long enough for a new node to warm up and join; no checkpoint at all on the cadence, so only
+    # the save the round ends with can spare a redo.
+    steps = 400
+    swap = {f"steps={STEPS}": f"steps={steps}", "checkpoint.interval=5": "checkpoint.interval=1000",
+            "checkpoint.memory_interval=1": "checkpoint.memory_interval=1000"}
+    args = [swap.get(a, a) for a in job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1)]
+    nodes = {"a": Node(tmp_path, "a", args).start()}
+    try:
+        wait_until(lambda: len(lines(tmp_path / "run.jsonl")) >= 6, 120, "6 steps at world size 1")
+        nodes["b"] = Node(tmp_path, "b", args).start()
+        assert nodes["a"].wait(300) == 0, nodes["a"].log()[-3000:]
+        assert nodes["b"].wait(60) == 0, nodes["b"].log()[-3000:]
+    finally:
+        for n in nodes.values():
+            n.cleanup()
+    run = lines(tmp_path / "run.jsonl")
+    assert [x["step"] for x in run] == list(range(steps)), "a step was skipped or repeated"
+    ledger = [i for x in run for i in x["prompt_ids"]]
+    assert ledger == list(range(steps * PROMPTS)), "a prompt was lost or repeated"
+    worlds = [x["world_size"] for x in run]
+    assert worlds[0] == 1 and worlds[-1] == 2 and worlds == sorted(worlds), worlds
+    assert run[-1]["resumes"] == 1 and run[-1]["redone"] == 0, run[-1]
+    log = nodes["a"].log()
+    assert "ended at a step boundary" in log and "from memory" in log, log[-3000:]

@@ -1,0 +1,92 @@
+"""Ending a round at a step boundary: the agent asks, its workers save their step and stop.
+
+When the membership changes without a fault (a node joins), the running workers' state is
+intact. Killing them mid-step, as a fault forces, would throw away the step in progress and every
+step since the last memory checkpoint, which with an ``auto`` cadence can be many. Instead:
+
+1. The agent writes the round it wants ended into its *round-end file*: 16 mapped bytes, like the
+   fence file, so a worker polls it every step without a system call.
+2. A worker that polls it (:meth:`ftrt.Runtime.round_ending`) says so once (report message
+   ``{"t": "boundary"}``). At its next step boundary it agrees with the other ranks that the round
+   ends (the GRPO trainer rides on its step's all-reduce), saves a checkpoint of that step and
+   exits.
+3. The agent waits for the workers that said they poll, at most :func:`boundary_timeout`, then
+   stops whatever still runs as it would for a fault. A script that never polls is stopped at once.
+
+Only a planned change (:func:`planned_change`) ends a round this way: after a fault the old round's
+collectives cannot complete, so its workers are stopped at once.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+from ftrt.agents.records import RoundRecord
+
+ENV = "FTRT_ROUND_END_FILE"
+"""Environment variable with the round-end file's path, set for every worker of an agent."""
+REPORT = "boundary"
+"""Report message type (``{"t": "boundary"}``): this worker polls the round-end file."""
+
+_FMT = "<qq"  # the highest round asked to end, generation
+_SIZE = struct.calcsize(_FMT)
+
+
+class RoundEndWriter:
+    """The agent's side: create the file (no round asked to end) and ask rounds to end."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "wb") as f:
+            f.write(struct.pack(_FMT, 0, 0))
+        self._fd = os.open(path, os.O_RDWR)
+        self._map = mmap.mmap(self._fd, _SIZE)
+        self._generation = 0
+
+    def request(self, round_no: int) -> None:
+        """Ask the workers of ``round_no`` (and older) to stop at their next step boundary."""
+        self._generation += 1
+        self._map[:_SIZE] = struct.pack(_FMT, round_no, self._generation)
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self._fd)
+
+
+class RoundEndReader:
+    """A worker's side: whether its round was asked to end (one read of mapped memory)."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._map = mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    def ending(self, round_no: int) -> bool:
+        requested, _ = struct.unpack(_FMT, self._map[:_SIZE])
+        return requested >= round_no > 0
+
+
+def planned_change(old: RoundRecord, new: RoundRecord) -> bool:
+    """True when ``new`` replaces ``old`` without a fault: no fault was counted in between and
+    every member of ``old`` (the same incarnation) is still in ``new``; a node joined."""
+    if new.faults != old.faults or not new.active:
+        return False
+    kept = {(m.node_id, m.incarnation) for m in new.members}
+    return all((m.node_id, m.incarnation) in kept for m in old.members)
+
+
+BOUNDARY_WAIT_MIN = 2.0
+BOUNDARY_WAIT_MAX = 60.0
+
+
+def boundary_timeout(step_interval_s: float | None) -> float:
+    """How long an agent waits for its workers to reach a step boundary, save and exit: the rest
+    of a step, a save, and an exit fit in three steps plus a second (2-60 s; 10 s while no step
+    time is known)."""
+    if step_interval_s is None:
+        return 10.0
+    return min(max(3 * step_interval_s + 1.0, BOUNDARY_WAIT_MIN), BOUNDARY_WAIT_MAX)

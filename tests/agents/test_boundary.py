@@ -1,0 +1,44 @@
+"""Ending a round at a step boundary: which changes are planned, how long to wait, the file (pure)."""
+
+from __future__ import annotations
+
+from ftrt.agents.boundary import (
+    BOUNDARY_WAIT_MAX,
+    BOUNDARY_WAIT_MIN,
+    RoundEndReader,
+    RoundEndWriter,
+    boundary_timeout,
+    planned_change,
+)
+from ftrt.agents.records import Member, RoundRecord
+
+A, B, C = Member("a", "a1", 1), Member("b", "b1", 1), Member("c", "c1", 1)
+
+
+def test_a_join_is_planned_and_a_fault_or_a_new_incarnation_is_not():
+    old = RoundRecord(3, (A, B), faults=1)
+    assert planned_change(old, RoundRecord(4, (A, B, C), faults=1))  # c joined
+    assert not planned_change(old, RoundRecord(4, (A, B), faults=2))  # a worker failed
+    assert not planned_change(old, RoundRecord(4, (A,), faults=2))  # b was lost
+    assert not planned_change(old, RoundRecord(4, (A, Member("b", "b2", 1), C), faults=1))  # b restarted
+    assert not planned_change(old, RoundRecord(4, (A, B, C), active=False, faults=1))
+
+
+def test_the_wait_covers_a_few_steps_within_bounds():
+    assert boundary_timeout(0.5) == 2.5
+    assert boundary_timeout(0.01) == BOUNDARY_WAIT_MIN
+    assert boundary_timeout(100.0) == BOUNDARY_WAIT_MAX
+    assert boundary_timeout(None) == 10.0
+
+
+def test_workers_see_the_request_for_their_round_only(tmp_path):
+    writer = RoundEndWriter(str(tmp_path / "round_end"))
+    reader = RoundEndReader(writer.path)
+    try:
+        assert not reader.ending(3)
+        writer.request(3)
+        assert reader.ending(3) and reader.ending(2)
+        assert not reader.ending(4)  # the next round's workers start fresh
+        assert not reader.ending(0)  # outside a round
+    finally:
+        writer.close()
