@@ -159,8 +159,10 @@ def summarize(system: str, lines: list[dict], faults: list[dict], t_first: float
     marks = [f["killed_at"] for f in faults] + [duration]
     for i, f in enumerate(faults):
         f["pause_after_kill_s"] = round(_longest_gap(ends, f["killed_at"], f.get("restarted_at", marks[i + 1])), 3)
+        f["stall_after_kill_s"] = _switch_stall(lines, ends, f["killed_at"], marks[i + 1], grows=False)
         if "restarted_at" in f:
             f["pause_after_rejoin_s"] = round(_longest_gap(ends, f["restarted_at"], marks[i + 1]), 3)
+            f["stall_at_rejoin_s"] = _switch_stall(lines, ends, f["restarted_at"], marks[i + 1], grows=True)
     steady = [x["step_s"] for t, x in zip(ends, lines) if t < marks[0]][5:] or [x["step_s"] for x in lines]
     return {
         "system": system, "goodput": round(productive / duration, 4), "productive_s": round(productive, 1),
@@ -172,6 +174,19 @@ def summarize(system: str, lines: list[dict], faults: list[dict], t_first: float
     }
 
 
+def _switch_stall(lines: list[dict], ends: list[float], t0: float, t1: float, *, grows: bool) -> float | None:
+    """Seconds the switch to a new world cost beyond its first step: the gap between the last
+    step of the old world and the first of the new one, less that step's own time. After a kill
+    the first step after ``t0`` is the new world's (the work lost mid-step counts as stall); at a
+    rejoin, the first step in (``t0``, ``t1``] at a larger world than the step before it."""
+    for k in range(1, len(lines)):
+        if not t0 < ends[k] <= t1:
+            continue
+        if not grows or lines[k]["world_size"] > lines[k - 1]["world_size"]:
+            return round(ends[k] - ends[k - 1] - lines[k]["step_s"], 3)
+    return None
+
+
 def _longest_gap(ends: list[float], t0: float, t1: float) -> float:
     """The longest stretch in [t0, t1] without a step end (from the fault until training resumes)."""
     points = [t0, *(t for t in ends if t0 < t <= t1), t1]
@@ -180,20 +195,25 @@ def _longest_gap(ends: list[float], t0: float, t1: float) -> float:
 
 def render(rows: list[dict]) -> str:
     lines = [f"{'system':<10}{'goodput':>9}{'steps':>7}{'redone':>8}{'step (median)':>15}"
-             f"{'pause after kill':>18}{'after rejoin':>14}"]
+             f"{'pause after kill':>18}{'after rejoin':>14}{'stall: kill':>13}{'rejoin':>9}"]
     for r in rows:
-        kill = [f["pause_after_kill_s"] for f in r["faults"]]
-        rejoin = [f["pause_after_rejoin_s"] for f in r["faults"] if "pause_after_rejoin_s" in f]
+        faults = r["faults"]
+        kill = [f["pause_after_kill_s"] for f in faults]
+        rejoin = [f["pause_after_rejoin_s"] for f in faults if "pause_after_rejoin_s" in f]
+        stall_kill = [f["stall_after_kill_s"] for f in faults if f.get("stall_after_kill_s") is not None]
+        stall_join = [f["stall_at_rejoin_s"] for f in faults if f.get("stall_at_rejoin_s") is not None]
         med = (lambda v: f"{sorted(v)[len(v) // 2]:.2f} s" if v else "-")
         lines.append(f"{r['system']:<10}{r['goodput']:>9.1%}{r['steps']:>7}{r['redone']:>8}"
-                     f"{r['median_step_s']:>13.3f} s{med(kill):>18}{med(rejoin):>14}")
+                     f"{r['median_step_s']:>13.3f} s{med(kill):>18}{med(rejoin):>14}"
+                     f"{med(stall_kill):>13}{med(stall_join):>9}")
     by = {r["system"]: r for r in rows}
     if "ftrt" in by and "torchrun" in by and by["torchrun"]["goodput"]:
         lines.append(f"ftrt / torchrun goodput: {by['ftrt']['goodput'] / by['torchrun']['goodput']:.2f}x; "
                      f"steps trained: {by['ftrt']['steps']} vs {by['torchrun']['steps']} "
                      f"({by['ftrt']['steps'] / max(by['torchrun']['steps'], 1):.2f}x)")
     lines.append("(pauses: median over the faults of the longest stretch without a step after the kill, "
-                 "and after the node restarted)")
+                 "and after the node restarted; stalls: the gap at the switch to the new world less "
+                 "that world's first step, i.e. what the switch itself cost)")
     return "\n".join(lines)
 
 

@@ -358,7 +358,9 @@ class Checkpointer:
                 log.info("checkpoint step %d is already committed; not saving it again", step)
                 return
             error: BaseException | None = None
+            attempts = 0
             for attempt in range(self.retries + 1):
+                attempts = attempt + 1
                 try:
                     self._write(folder, step, sd)
                     error = None
@@ -375,8 +377,8 @@ class Checkpointer:
                         time.sleep(delay)
             if error is not None:
                 raise CheckpointSaveFailed(
-                    f"Checkpoint step {step} was not saved to {self.loc.url} after {self.retries + 1} "
-                    f"attempts: {_short(error)}. Nothing was committed; training can go on."
+                    f"Checkpoint step {step} was not saved to {self.loc.url} after {attempts} "
+                    f"attempt(s): {_short(error)}. Nothing was committed; training can go on."
                 ) from error
             self.last_committed = step
             if self.rank == 0:

@@ -13,6 +13,7 @@ import errno
 import fcntl
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -103,6 +104,21 @@ class Runtime:
             self._round_end = boundary.RoundEndReader(path)
             self.report({"t": boundary.REPORT})
         return self._round_end.ending(self.round)
+
+    def exit_for_round(self) -> None:
+        """End this worker now, after its round ended at a step boundary and its state is saved.
+
+        Flushes stdout and stderr and leaves with ``os._exit(0)``: the interpreter's usual
+        teardown (torch's, the checkpointer's threads) takes about a second here, and the next
+        round, the whole job's, waits for this process to be gone. Call it only once every save
+        the next round needs has completed.
+        """
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(0)
 
     def report(self, message: dict) -> None:
         """Send one JSON message to the agent (non-blocking; dropped if the agent is behind)."""

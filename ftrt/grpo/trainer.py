@@ -215,13 +215,14 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
                 pending = None
             opt.step()
         # The cadence's inputs ride on this collective, so every rank decides on the same numbers.
-        # A node is joining: end this round after this step, saved (the new round redoes nothing).
-        # Without a checkpointer there is nothing to resume from: the agent stops us at once.
-        ending_here = ck is not None and rt.round_ending()
+        # A node is joining: end this round after this step, saved in memory (the new round
+        # redoes nothing). Storage cannot take that save (its commit is fenced by the round that
+        # is ending), so without a memory tier the agent stops us at once, as before.
+        ending_here = ck is not None and ck.has_memory_tier and rt.round_ending()
         sums = _all_reduce(torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum, float(ending_here),
                                          *cadence.report(dt)], dtype=torch.float64), distributed)
         reward_sum, loss_total, kl_total, ending, *agreed = sums.tolist()
-        round_ends = ending > 0
+        round_ends = ending > 0 and step + 1 < cfg.steps  # the last step ends the job anyway
         cadence.update(agreed, world)
         parts = _gather((rt.node_id, mine), distributed, world)  # which node trained which prompts
         ids = [i for _, part in parts for i in part]
@@ -229,8 +230,8 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
         dt = time.perf_counter() - t0
         reward_mean = reward_sum / max(total_seqs, 1.0)
         rewards.append(reward_mean)
-        persist = ck is not None and (cadence.storage.due(step + 1) or step + 1 == cfg.steps)
-        keep = persist or (ck is not None and cadence.memory.due(step + 1))
+        persist = ck is not None and not round_ends and (cadence.storage.due(step + 1) or step + 1 == cfg.steps)
+        keep = persist or round_ends or (ck is not None and cadence.memory.due(step + 1))
         record = {
             "step": step, "reward_mean": reward_mean, "loss": loss_total,
             "kl": kl_total / max(total_tokens, 1.0), "world_size": world, "prompt_ids": ids,
@@ -243,15 +244,16 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
             _diag.mark("first_step", step=step, step_s=dt)
         bar.update(step + 1, reward_mean, total_tokens / dt, world)
         rt.heartbeat(step + 1)
-        if keep or round_ends:
+        if keep:
             # Slow storage must not slow training: a save that would queue behind an unfinished
             # one is skipped (memory copy only); the final one, and the one a round ends with,
             # never are.
-            pending = ck.save(step + 1, state, persist=persist or (round_ends and not ck.has_memory_tier),
+            pending = ck.save(step + 1, state, persist=persist,
                               skip_if_busy=step + 1 < cfg.steps and not round_ends)
             cadence.started(pending)
         if round_ends:
             pending.wait()  # the new round resumes from this save
+            _diag.mark("round_end.saved", step=step + 1)
             ended_for_round = True
             break
     bar.close()
@@ -270,6 +272,8 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     elif rank == 0 and rewards:
         print(f"[ftrt.grpo] done: {tr['step']} steps, mean reward of the last {len(last)} steps "
               f"{summary['final_reward']:.3f}, {wall:.1f} s this run, {tr['redone']} step(s) redone", flush=True)
+    if ended_for_round:
+        rt.exit_for_round()  # saved: the next round waits for this process to be gone
     if distributed:
         dist.destroy_process_group()
     return summary

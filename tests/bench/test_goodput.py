@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.goodput import _longest_gap, summarize
+from bench.goodput import _longest_gap, _switch_stall, summarize
 from bench.overhead import summarize as overhead_summary
 
 
@@ -29,6 +29,14 @@ def test_longest_gap_runs_from_the_fault_to_the_end_of_its_window():
     assert _longest_gap([1.0, 2.0, 6.0, 7.0], 2.5, 8.0) == pytest.approx(3.5)
     assert _longest_gap([1.0, 2.0, 3.0, 3.5], 2.5, 8.0) == pytest.approx(4.5)  # stalled after two steps
     assert _longest_gap([1.0, 2.0], 2.5, 8.0) == pytest.approx(5.5)  # never stepped again
+
+
+def test_a_switch_stall_is_the_gap_at_the_new_world_less_its_first_step():
+    lines = [{"world_size": w, "step_s": 0.5} for w in (3, 3, 2, 2, 2, 3, 3)]
+    ends = [1.0, 1.5, 3.0, 3.5, 4.0, 5.2, 5.7]
+    assert _switch_stall(lines, ends, 1.6, 4.5, grows=False) == pytest.approx(1.0)  # 1.5 -> 3.0, a 0.5 s step
+    assert _switch_stall(lines, ends, 3.8, 9.0, grows=True) == pytest.approx(0.7)  # 4.0 -> 5.2 at world 3
+    assert _switch_stall(lines, ends, 1.6, 3.2, grows=True) is None  # no larger world in the window
 
 
 def test_overhead_ratio_is_against_torchrun_run_by_run():
