@@ -190,12 +190,14 @@ class ChaosRun:
                     continue
                 # Like a long job's faults, each meets agents whose spare workers are warm (a
                 # fault seconds after a restart would measure spare warm-up instead); bounded.
+                # A short job must still meet its fault: the wait ends halfway through the steps left.
+                latest = f.at_step + (self.sc.steps - 1 - f.at_step) // 2 if f.at_step is not None else None
                 if not all(n.spares_warm() for n in nodes.values() if n.alive()):
                     if warm_wait is None:
                         warm_wait = time.monotonic() + WARM_WAIT_S
-                    if time.monotonic() < warm_wait:
+                    if time.monotonic() < warm_wait and (latest is None or last_step < latest):
                         continue
-                    self.log(f"[chaos] spares still warming after {WARM_WAIT_S:.0f} s; injecting anyway")
+                    self.log(f"[chaos] spares still warming at step {last_step}; injecting anyway")
                 warm_wait = None
                 pending.remove(f)
                 try:
