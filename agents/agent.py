@@ -430,7 +430,8 @@ class Agent:
         polling = [w for w in self.pool.running if w.polls_boundary and w.exit_code is None]
         if not polling or not planned_change(old, new):
             return
-        timeout = boundary_timeout(max((w.step_interval or 0.0 for w in polling), default=0.0) or None)
+        intervals = [w.step_interval for w in polling if w.step_interval is not None]
+        timeout = boundary_timeout(max(intervals) if intervals else None)
         t0 = time.monotonic()
         self._round_end.request(old.round)
         if await self.pool.wait_exited(polling, timeout):

@@ -19,10 +19,7 @@ collectives cannot complete, so its workers are stopped at once.
 
 from __future__ import annotations
 
-import mmap
-import os
-import struct
-
+from ftrt.agents.mapped import MappedReader, MappedWriter
 from ftrt.agents.records import RoundRecord
 
 ENV = "FTRT_ROUND_END_FILE"
@@ -31,7 +28,6 @@ REPORT = "boundary"
 """Report message type (``{"t": "boundary"}``): this worker polls the round-end file."""
 
 _FMT = "<qq"  # the highest round asked to end, generation
-_SIZE = struct.calcsize(_FMT)
 
 
 class RoundEndWriter:
@@ -39,34 +35,24 @@ class RoundEndWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        with open(path, "wb") as f:
-            f.write(struct.pack(_FMT, 0, 0))
-        self._fd = os.open(path, os.O_RDWR)
-        self._map = mmap.mmap(self._fd, _SIZE)
-        self._generation = 0
+        self._record = MappedWriter(path, _FMT, 0)
 
     def request(self, round_no: int) -> None:
         """Ask the workers of ``round_no`` (and older) to stop at their next step boundary."""
-        self._generation += 1
-        self._map[:_SIZE] = struct.pack(_FMT, round_no, self._generation)
+        self._record.write(round_no)
 
     def close(self) -> None:
-        self._map.close()
-        os.close(self._fd)
+        self._record.close()
 
 
 class RoundEndReader:
     """A worker's side: whether its round was asked to end (one read of mapped memory)."""
 
     def __init__(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self._map = mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        self._record = MappedReader(path, _FMT)
 
     def ending(self, round_no: int) -> bool:
-        requested, _ = struct.unpack(_FMT, self._map[:_SIZE])
+        requested, _ = self._record.read()
         return requested >= round_no > 0
 
 

@@ -18,12 +18,13 @@ within ``max_interval`` as a backstop.
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 import sys
 import threading
 import time
+
+from ftrt.agents.mapped import MappedReader, MappedWriter
 
 _FMT = "<dq"  # valid_until (monotonic seconds), generation
 _SIZE = struct.calcsize(_FMT)
@@ -38,22 +39,16 @@ class FenceWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        with open(path, "wb") as f:
-            f.write(struct.pack(_FMT, UNSET, 0))
-        self._fd = os.open(path, os.O_RDWR)
-        self._map = mmap.mmap(self._fd, _SIZE)
-        self._generation = 0
+        self._record = MappedWriter(path, _FMT, UNSET)
 
     def set(self, valid_until: float) -> None:
-        self._generation += 1
-        self._map[:_SIZE] = struct.pack(_FMT, valid_until, self._generation)
+        self._record.write(valid_until)
 
     def fence(self) -> None:
         self.set(FENCED)
 
     def close(self) -> None:
-        self._map.close()
-        os.close(self._fd)
+        self._record.close()
 
 
 def read_deadline(path: str) -> float:
@@ -78,12 +73,11 @@ def next_check(valid_until: float, now: float, max_interval: float) -> float | N
 
 def start_watchdog(path: str, max_interval: float = 1.0, exit_code: int = 75) -> threading.Thread:
     """Start the worker-side daemon thread that exits the process once the deadline passed."""
-    fd = os.open(path, os.O_RDONLY)
-    view = mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ)
+    record = MappedReader(path, _FMT)
 
     def run() -> None:
         while True:
-            valid_until, _ = struct.unpack(_FMT, view[:_SIZE])
+            valid_until, _ = record.read()
             wait = next_check(valid_until, time.monotonic(), max_interval)
             if wait is None:
                 reason = "was fenced" if valid_until == FENCED else "could not renew its lease in time"

@@ -16,11 +16,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ftrt import _diag
 
 if TYPE_CHECKING:
+    from ftrt.agents.boundary import RoundEndReader
     from ftrt.checkpoint.cadence import Cadence, Choice, Interval
 
 
@@ -67,7 +68,8 @@ class Runtime:
     """The MTBF the operator configured (``ftrt launch --mtbf``), or None."""
     last_step: int = -1
     _report_fd: int = field(default=-1, repr=False)
-    _round_end: Any = field(default=None, repr=False)  # opened by the first round_ending()
+    _round_end: "RoundEndReader | None" = field(default=None, repr=False)  # under ftrt launch
+    _polls_round_end: bool = field(default=False, repr=False)  # told the agent (first round_ending())
 
     def heartbeat(self, step: int) -> None:
         """Tell the agent this worker reached ``step``. Non-blocking; a no-op outside ftrt.
@@ -96,13 +98,12 @@ class Runtime:
         stopped at once, as before. Outside ``ftrt launch`` this is always False.
         """
         if self._round_end is None:
-            from ftrt.agents import boundary
+            return False
+        if not self._polls_round_end:
+            from ftrt.agents.boundary import REPORT
 
-            path = os.environ.get(boundary.ENV)
-            if not self.launched_by_ftrt or not path:
-                return False
-            self._round_end = boundary.RoundEndReader(path)
-            self.report({"t": boundary.REPORT})
+            self._polls_round_end = True
+            self.report({"t": REPORT})
         return self._round_end.ending(self.round)
 
     def exit_for_round(self) -> None:
@@ -182,6 +183,14 @@ class Runtime:
 _RUNTIME: Runtime | None = None
 
 
+def _round_end_reader() -> "RoundEndReader | None":
+    """The agent's round-end file, mapped, when ``ftrt launch`` started this worker."""
+    from ftrt.agents.boundary import ENV, RoundEndReader
+
+    path = os.environ.get(ENV)
+    return RoundEndReader(path) if path and "FTRT_JOB_ID" in os.environ else None
+
+
 def init() -> Runtime:
     """Return this process's :class:`Runtime` (created on first call from the environment)."""
     global _RUNTIME
@@ -211,5 +220,6 @@ def init() -> Runtime:
         job_started=_env_float("FTRT_JOB_STARTED", 0.0) or time.time(),
         mtbf=_env_float("FTRT_MTBF", 0.0) or None,
         _report_fd=fd,
+        _round_end=_round_end_reader(),
     )
     return _RUNTIME
