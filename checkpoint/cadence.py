@@ -154,6 +154,8 @@ class Cadence:
         """The current ``auto`` interval (None until a save has been measured, or when fixed)."""
         self.last_saved: int | None = None
         self._work_s = 0.0  # training time since the last save
+        self._measuring = False  # a save's cost is on its way to update() and no interval exists yet
+        self._longest_s = max_interval_s  # the longest interval any save cost could give, at the last update
 
     def due(self, step: int) -> bool:
         """Whether this tier saves after ``step`` (counted from 1, like the step a save records)."""
@@ -161,14 +163,23 @@ class Cadence:
             return False
         if self.interval != "auto":
             return step % self.interval == 0
-        if self.last_saved is None or self.choice is None:
+        if self.choice is None:
+            if self._measuring:  # wait for the first cost, no longer than any cost could make it
+                return self._work_s >= self._longest_s
             return self.last_saved != step
-        return step > self.last_saved and self._work_s >= self.choice.seconds
+        return self.last_saved is not None and step > self.last_saved and self._work_s >= self.choice.seconds
 
-    def saved(self, step: int) -> None:
-        """Record that this tier saved ``step`` (or that the run resumed from it)."""
+    def saved(self, step: int, *, measured: bool = True) -> None:
+        """Record that this tier saved ``step``, or that the run resumed from it.
+
+        ``measured``: whether this save's cost will reach :meth:`update` (False for a resume, or
+        for a copy made as part of another tier's save). Until an interval exists, a measured
+        save is the one that sets it, so no other is due while its cost is on its way (on slow
+        storage that takes several steps).
+        """
         self.last_saved = step
         self._work_s = 0.0
+        self._measuring = measured and self.choice is None
 
     def update(self, *, step_s: float, save_cost_s: float | None, faults: int, elapsed_s: float) -> Choice | None:
         """Take one step's agreed numbers: its duration, the cost of a save that became final since
@@ -177,13 +188,17 @@ class Cadence:
         if self.interval != "auto":
             return None
         self._work_s += max(step_s, 0.0)
+        mtbf = self._mtbf(faults, elapsed_s)
+        # Young/Daly never exceeds the MTBF, whatever the cost: the bound while none is measured.
+        self._longest_s = min(self.max_interval_s, mtbf.seconds)
         if save_cost_s is not None:
             self._costs.append(max(save_cost_s, 0.0))
+            self._measuring = False
         if not self._costs:
             return None
         # The first save also allocates the staging buffers: leave it out once there are others.
         costs = list(self._costs)[1:] if len(self._costs) > 1 else list(self._costs)
-        choice = choose_interval(statistics.median(costs), self._mtbf(faults, elapsed_s),
+        choice = choose_interval(statistics.median(costs), mtbf,
                                  max_interval_s=self.max_interval_s)
         current = self.choice
         if current is not None and abs(choice.seconds - current.seconds) <= self.HYSTERESIS * current.seconds:

@@ -46,14 +46,15 @@ class Cadences:
 
     def resumed(self, step: int) -> None:
         """The run restored ``step``: both tiers count their next save from there."""
-        self.memory.saved(step)
-        self.storage.saved(step)
+        self.memory.saved(step, measured=False)
+        self.storage.saved(step, measured=False)
 
     def started(self, handle: SaveHandle) -> None:
         """A save began (``handle`` from ``Checkpointer.save``)."""
         if handle.skipped:
             return
-        self.memory.saved(handle.step)  # a storage save also leaves a memory copy (with the tier)
+        # A storage save also leaves a memory copy (with the tier); its cost is the storage tier's.
+        self.memory.saved(handle.step, measured=not handle.persisting)
         if handle.persisting:
             self.storage.saved(handle.step)
         self._unsettled.append(handle)

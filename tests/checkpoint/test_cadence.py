@@ -22,6 +22,8 @@ def test_young_daly_is_sqrt_2cm_minus_c_and_m_when_saves_outlast_failures():
     assert young_daly_interval(0.5, 60) == pytest.approx(math.sqrt(60) - 0.5)
     assert young_daly_interval(0.0, 60) == 0.0  # free saves: save every step
     assert young_daly_interval(300, 100) == 100  # C >= 2M: the formula no longer applies
+    # Never longer than the MTBF, whatever the cost (the cadence's bound before one is measured).
+    assert max(young_daly_interval(c / 100, 60) for c in range(0, 20000)) <= 60
     # Lower cost or more frequent failures: shorter intervals.
     assert young_daly_interval(0.01, 60) < young_daly_interval(0.01, 600) < young_daly_interval(0.1, 600)
     with pytest.raises(ValueError):
@@ -120,3 +122,41 @@ def test_a_resumed_run_counts_its_interval_from_the_restored_step():
     run(c, 50, step_s=0.5, cost_s=0.01)
     c.saved(30)  # resumed at step 30
     assert not c.due(30) and not c.due(31)
+
+
+def test_no_second_save_is_due_while_the_first_ones_cost_is_on_its_way():
+    c = Cadence("storage", "auto", max_interval_s=5, mtbf=fixed(1e9))
+    assert c.due(1)
+    c.saved(1)
+    for s in range(2, 8):  # slow storage: the first save is still being written (6 steps of 0.5 s)
+        c.update(step_s=0.5, save_cost_s=None, faults=0, elapsed_s=s * 0.5)
+        assert not c.due(s), s
+    c.update(step_s=0.5, save_cost_s=2.0, faults=0, elapsed_s=4.0)  # measured: now it has an interval
+    assert c.choice is not None and not c.due(8)
+
+
+def test_a_first_cost_that_never_arrives_still_saves_once_the_cap_is_reached():
+    c = Cadence("storage", "auto", max_interval_s=2, mtbf=fixed(1e9))
+    c.saved(1)
+    due = []
+    for s in range(2, 8):
+        c.update(step_s=0.5, save_cost_s=None, faults=0, elapsed_s=s * 0.5)
+        due.append(c.due(s))
+    assert due == [False, False, False, True, True, True]  # 2 s of training unsaved: the cap
+
+
+def test_a_resume_or_a_copy_made_by_another_tier_does_not_wait_for_a_cost():
+    resumed = Cadence("memory", "auto", max_interval_s=300, mtbf=fixed(3600))
+    resumed.saved(30, measured=False)
+    assert not resumed.due(30) and resumed.due(31)  # its first own save measures the cost
+
+
+def test_while_the_first_cost_is_on_its_way_saves_stay_due_as_often_as_the_mtbf_asks():
+    # Young/Daly's interval never exceeds the MTBF, whatever a save costs: with a fault every
+    # 0.1 s, every step of 0.5 s is due before any cost is known.
+    c = Cadence("memory", "auto", max_interval_s=300, mtbf=fixed(0.1))
+    c.saved(1)
+    for s in range(2, 5):
+        c.update(step_s=0.5, save_cost_s=None, faults=0, elapsed_s=s * 0.5)
+        assert c.due(s)
+        c.saved(s)
