@@ -15,28 +15,18 @@ Wire protocol (JSON lines):
   :meth:`ftrt.Runtime.heartbeat`.
 
 The process dies with its agent (``PR_SET_PDEATHSIG``) and runs the fence watchdog
-(:mod:`ftrt.agents.fence`) once assigned.
+(:mod:`ftrt.agents.fence`) once assigned. Started as a *template* (:mod:`ftrt.agents.template`),
+it does the warm imports once and then forks spares, each of which goes on from here as a spare
+started directly would.
 """
 
 import json
 import os
 import sys
 
+from ftrt.agents import template
+
 _STORE = None  # the round's TCPStore server lives as long as this process
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    parent = os.environ.get("FTRT_AGENT_PID")
-    if parent and os.getppid() != int(parent):
-        os._exit(70)  # the agent died before we set the signal
 
 
 def _set_idle(idle: bool) -> None:
@@ -65,8 +55,7 @@ def _read_assignment(fd: int) -> dict:
 
 def main() -> None:
     global _STORE
-    _die_with_parent()
-    control_fd = int(os.environ.pop("FTRT_CONTROL_FD"))
+    template.die_with(int(os.environ.get("FTRT_AGENT_PID", os.getppid())))
     report_fd = int(os.environ["FTRT_REPORT_FD"])
     idle = os.environ.pop("FTRT_WARM_IDLE", "0") == "1"
     _set_idle(idle)
@@ -77,8 +66,15 @@ def main() -> None:
             sys.stderr.write(f"ftrt: warm import of {name!r} failed: {exc}\n")
     if idle:
         _set_idle(False)  # before the store's thread exists, so it serves at normal priority
+    template_fd = os.environ.pop(template.ENV, None)
+    if template_fd is not None:
+        spare = template.serve(int(template_fd), report_fd)  # returns in each forked spare
+        control_fd, report_fd, hosts_store = spare.control_fd, spare.report_fd, spare.hosts_store
+    else:
+        control_fd = int(os.environ.pop("FTRT_CONTROL_FD"))
+        hosts_store = os.environ.pop("FTRT_WARM_STORE", "0") == "1"
     store_port = 0
-    if os.environ.pop("FTRT_WARM_STORE", "0") == "1":
+    if hosts_store:
         import torch.distributed as dist
 
         # The server listens on every interface; the name is only for its own client connection.

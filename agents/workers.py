@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
-from ftrt.agents import boundary
+from ftrt import _diag
+from ftrt.agents import boundary, template
+from ftrt.agents.template import ForkedProc, TemplateError
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +90,10 @@ def warm_imports_for(module: str | None) -> tuple[str, ...]:
 
 @dataclass(eq=False)
 class Spawned:
-    """A bootstrap process just started, not yet watched by an event loop."""
+    """A bootstrap process just started (or forked from the template), not yet watched by an
+    event loop."""
 
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedProc
     control_fd: int
     report_fd: int
     hosts_store: bool
@@ -104,11 +107,14 @@ def spawn_bootstrap(
     warm_imports: tuple[str, ...],
     hosts_store: bool,
     idle: bool,
+    template_fd: int = -1,
 ) -> Spawned:
     """Start one ``ftrt.agents._bootstrap`` process (synchronous: a fork and an exec).
 
     The CLI calls this before it imports the agent's heavier modules, so a new node's spares
     start importing torch as early as possible; the pool adopts them once its loop runs.
+    With ``template_fd`` (the template's end of :func:`template.socket_pair`), the process is a
+    spare template instead (:mod:`ftrt.agents.template`); its control pipe is then unused.
     """
     ctl_r, ctl_w = os.pipe()
     rep_r, rep_w = os.pipe()
@@ -122,6 +128,10 @@ def spawn_bootstrap(
         FTRT_WARM_IDLE="1" if idle else "0",
         FTRT_AGENT_PID=str(os.getpid()),
     )
+    passed = [ctl_r, rep_w]
+    if template_fd >= 0:
+        env[template.ENV] = str(template_fd)
+        passed.append(template_fd)
     env.setdefault("PYTHONUNBUFFERED", "1")
     try:
         popen = subprocess.Popen(
@@ -129,7 +139,7 @@ def spawn_bootstrap(
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(ctl_r, rep_w),
+            pass_fds=tuple(passed),
             env=env,
             start_new_session=True,
         )
@@ -147,7 +157,7 @@ def spawn_bootstrap(
 class Worker:
     """One worker process, warm or assigned."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProc
     control_fd: int
     hosts_store: bool
     spawned_at: float
@@ -177,6 +187,44 @@ class Worker:
     @property
     def prefix(self) -> bytes:
         return f"[rank{self.rank}]: ".encode() if self.rank >= 0 else b"[warm]: "
+
+
+class SpareTemplate:
+    """The pool's template process (:mod:`ftrt.agents.template`) and its request socket."""
+
+    def __init__(self, worker: Worker, sock) -> None:
+        self.worker = worker
+        self.sock = sock
+        self.forked: dict[int, ForkedProc] = {}
+        """Spares forked and not yet reported exited, by pid."""
+
+    @property
+    def usable(self) -> bool:
+        return self.worker.state == "warm" and self.worker.exit_code is None
+
+    def fork(self, hosts_store: bool) -> Spawned:
+        """A warm spare, forked now (raises :class:`TemplateError`)."""
+        proc, control_fd, report_fd = template.fork_spare(self.sock, hosts_store=hosts_store)
+        self.forked[proc.pid] = proc
+        return Spawned(proc, control_fd, report_fd, hosts_store, time.monotonic())
+
+    def exited(self, pid: int, code: int) -> None:
+        """The template reported that a spare it forked exited."""
+        proc = self.forked.pop(pid, None)
+        if proc is not None:
+            proc.finished(code)
+
+    def lost(self) -> None:
+        """The template exited: its children die with it (``PR_SET_PDEATHSIG``); make sure of it
+        and tell their waiters."""
+        self.sock.close()
+        for pid, proc in list(self.forked.items()):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.finished(-signal.SIGKILL)
+        self.forked.clear()
 
 
 class WorkerPool:
@@ -221,13 +269,55 @@ class WorkerPool:
         self._all: set[Worker] = set()
         self._closed = False
         self._refill: asyncio.Task | None = None
+        self._template: SpareTemplate | None = None
+        """The running spare template, once a refill started one (None before, or after it failed)."""
+        self._templates = warm and not _diag.off("template")
+        """Whether replacement spares are forked from a template (off after a template failed)."""
 
     # -- spawning -------------------------------------------------------------------------------
     def _spawn(self, *, hosts_store: bool, idle: bool) -> Worker:
+        """A new spare: forked from the template when one is warm, else a new process."""
+        tpl = self._template
+        if tpl is not None and tpl.usable:
+            try:
+                return self.adopt(tpl.fork(hosts_store))
+            except TemplateError as exc:
+                log.warning("%s; starting spares directly", exc)
         return self.adopt(spawn_bootstrap(
             base_env=self.base_env, fence_path=self.fence_path, warm_imports=self.warm_imports,
             hosts_store=hosts_store, idle=idle,
         ))
+
+    def _start_template(self, *, idle: bool) -> SpareTemplate:
+        ours, theirs = template.socket_pair()
+        try:
+            spawned = spawn_bootstrap(
+                base_env=self.base_env, fence_path=self.fence_path, warm_imports=self.warm_imports,
+                hosts_store=False, idle=idle, template_fd=theirs.fileno(),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        os.close(spawned.control_fd)  # a template takes requests on its socket only
+        spawned.control_fd = -1
+        tpl = SpareTemplate(self.adopt(spawned), ours)
+        self._template = tpl
+        log.info("spare template pid %d started: replacement spares will be forked from it", tpl.worker.pid)
+        return tpl
+
+    async def _template_ready(self, idle_grace: float) -> None:
+        """Start the template if there is none, and wait until it is warm (boosted after
+        ``idle_grace`` seconds at idle priority) or gone."""
+        if not self._templates:
+            return
+        tpl = self._template or self._start_template(idle=bool(self.running))
+        try:
+            await asyncio.wait_for(tpl.worker.ready.wait(), idle_grace)
+        except asyncio.TimeoutError:
+            _boost(tpl.worker)
+            await tpl.worker.ready.wait()
 
     def adopt(self, spawned: Spawned) -> Worker:
         """Watch a started bootstrap process (output, reports, exit) as a spare."""
@@ -277,6 +367,7 @@ class WorkerPool:
             t0 = time.monotonic()
             if len(self.spares) >= self.nproc:
                 return
+            await self._template_ready(idle_grace)
             self.fill_spares(idle=bool(self.running))
             try:
                 await asyncio.wait_for(self.spares_ready(), idle_grace)
@@ -388,6 +479,8 @@ class WorkerPool:
                 os.close(w.control_fd)
                 w.control_fd = -1
         await asyncio.gather(self.stop_running(grace), self._stop(spares, 0.0))
+        if self._template is not None:
+            await self._stop([self._template.worker], 0.0)
         for w in list(self._all):
             for t in w.tasks:
                 if not t.done():
@@ -447,6 +540,8 @@ class WorkerPool:
                         self.on_heartbeat(worker)
                 elif kind == boundary.REPORT:
                     worker.polls_boundary = True
+                elif kind == "exit" and self._template is not None and worker is self._template.worker:
+                    self._template.exited(int(msg.get("pid", -1)), int(msg.get("code", -1)))
                 elif kind == "mem" and self.on_memory is not None:
                     self.on_memory(int(msg.get("rank", -1)), int(msg.get("step", -1)))
                 elif kind == "ready":
@@ -462,6 +557,13 @@ class WorkerPool:
         worker.exit_code = code
         worker.exited.set()
         worker.ready.set()  # nobody waits forever on a dead spare
+        if self._template is not None and worker is self._template.worker:
+            self._template.lost()
+            self._template = None
+            if not self._closed:
+                log.warning("the spare template pid %d exited with code %s; spares start directly from now on",
+                            worker.pid, code)
+                self._templates = False
         if worker in self.spares:
             self.spares.remove(worker)
             if not self._closed:
@@ -482,8 +584,11 @@ class WorkerPool:
             worker.log_file = None
 
 
-async def _exit_code(proc: subprocess.Popen) -> int:
-    """Wait for a child's exit without a thread: its pidfd turns readable when it exits."""
+async def _exit_code(proc: subprocess.Popen | ForkedProc) -> int:
+    """Wait for a child's exit without a thread: its pidfd turns readable when it exits. A
+    forked spare's code comes from its template."""
+    if isinstance(proc, ForkedProc):
+        return await proc.wait_exit()
     loop = asyncio.get_running_loop()
     try:
         fd = os.pidfd_open(proc.pid)

@@ -1,0 +1,213 @@
+"""Spares forked from a warm template: a replacement spare costs a fork, not a Python start.
+
+A spare's warm-up (importing torch, DDP, dynamo, DCP, ftrt's checkpointer) takes ~5 CPU-seconds
+and ~800 MB here, and every round used to cost each node one: the round's workers are spares,
+and the node replaces them. On a node whose cores all train, that CPU is taken from training.
+The pool instead keeps one *template*: a bootstrap process that did the warm imports once and
+then only forks. A fork of it is a warm spare in ~15 ms, sharing the template's pages until it
+writes them.
+
+Both ends live here, so the wire contract has one owner:
+
+- the agent starts the template as a bootstrap with :data:`ENV` set to its end of a Unix
+  ``SOCK_SEQPACKET`` pair, and asks for a spare with :func:`fork_spare`: one message
+  ``{"hosts_store": bool}`` carrying four descriptors (the spare's control read end, report
+  write end, stdout and stderr write ends); the template replies ``{"pid": N}``;
+- the template (:func:`serve`, in the bootstrap process) forks, and reports each child's exit on
+  its own report pipe as ``{"t": "exit", "pid": N, "code": C}`` (the agent is not the parent, so
+  it cannot wait for the child itself; ``C`` is a Popen-style return code);
+- in the child, :func:`serve` returns the spare's descriptors, and the bootstrap goes on as a
+  spare started directly would.
+
+A child is in its own process group (the pool stops a worker by signalling its group) and dies
+with the template (``PR_SET_PDEATHSIG``), which dies with the agent. The template refuses to
+fork once CUDA is initialised in it (a forked child could not use the GPU): it exits, and the
+pool starts spares directly from then on.
+
+This module imports only the standard library: the template's imports are the warm imports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import IO
+
+ENV = "FTRT_TEMPLATE_FD"
+"""Set (to the template's socket descriptor) in a bootstrap that is to be a template."""
+
+REPLY_TIMEOUT_S = 5.0
+"""The longest the agent waits for the template's reply to a fork request (a fork takes ~15 ms)."""
+
+
+class TemplateError(OSError):
+    """The template did not fork a spare (it died, or did not answer in time)."""
+
+
+@dataclass(eq=False)
+class ForkedProc:
+    """A spare forked by the template, as the pool sees it (in place of a ``subprocess.Popen``).
+
+    The agent is not its parent: its return code arrives in the template's report
+    (:meth:`finished`).
+    """
+
+    pid: int
+    stdout: IO[bytes]
+    stderr: IO[bytes]
+    returncode: int | None = None
+    _waiters: list = field(default_factory=list)
+
+    def finished(self, code: int) -> None:
+        """Record the return code the template reported."""
+        if self.returncode is None:
+            self.returncode = code
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(self.returncode)
+        self._waiters.clear()
+
+    async def wait_exit(self) -> int:
+        """Wait for :meth:`finished`; the return code."""
+        if self.returncode is not None:
+            return self.returncode
+        import asyncio
+
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        return await fut
+
+
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    """The agent's and the template's ends of a new request channel."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def fork_spare(sock: socket.socket, *, hosts_store: bool) -> tuple[ForkedProc, int, int]:
+    """Ask the template for a spare (blocking: ~15 ms). Returns the spare, the agent's control
+    write end and report read end. Raises :class:`TemplateError` if the template does not answer."""
+    ctl_r, ctl_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    theirs = [ctl_r, rep_w, out_w, err_w]
+    ours = [ctl_w, rep_r, out_r, err_r]
+    try:
+        sock.settimeout(REPLY_TIMEOUT_S)
+        socket.send_fds(sock, [json.dumps({"hosts_store": hosts_store}).encode()], theirs)
+        reply = sock.recv(4096)
+        if not reply:
+            raise TemplateError("the spare template closed its socket (it exited)")
+        pid = int(json.loads(reply)["pid"])
+    except (OSError, ValueError, KeyError) as exc:
+        for fd in ours:
+            os.close(fd)
+        if isinstance(exc, TemplateError):
+            raise
+        raise TemplateError(f"the spare template did not fork a spare: {exc}") from exc
+    finally:
+        for fd in theirs:
+            os.close(fd)
+    proc = ForkedProc(pid, os.fdopen(out_r, "rb", 0), os.fdopen(err_r, "rb", 0))
+    return proc, ctl_w, rep_r
+
+
+@dataclass(frozen=True)
+class SpareFds:
+    """What a forked child needs to go on as a spare."""
+
+    control_fd: int
+    report_fd: int
+    hosts_store: bool
+
+
+def _report(fd: int, message: dict) -> None:
+    os.write(fd, (json.dumps(message, separators=(",", ":")) + "\n").encode())
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a half-imported torch: do not fork from it
+        return True
+
+
+def serve(sock_fd: int, report_fd: int) -> SpareFds:
+    """The template's loop, once its warm imports are done: report ready, then fork a spare per
+    request and report each child's exit. Returns only in a forked child, set up as a spare (own
+    process group, dies with the template, stdio on the agent's pipes, ``FTRT_REPORT_FD`` its
+    own). Exits when the agent closes the socket."""
+    if _cuda_initialized():
+        sys.stderr.write("ftrt: a warm import initialised CUDA, so spares cannot be forked from a template "
+                         "(a forked child cannot use the GPU); spares start directly instead.\n")
+        os._exit(3)
+    _report(report_fd, {"t": "ready", "pid": os.getpid(), "store_port": 0})
+    sock = socket.socket(fileno=sock_fd)
+    children: dict[int, int] = {}  # pidfd -> pid
+    while True:
+        readable, _, _ = select.select([sock, *children], [], [])
+        for ready in readable:
+            if ready is sock:
+                msg, fds, _, _ = socket.recv_fds(sock, 4096, 4)
+                if not msg:
+                    os._exit(0)  # the agent is gone, or closed the pool
+                request = json.loads(msg)
+                template_pid = os.getpid()
+                pid = os.fork()
+                if pid == 0:
+                    sock.close()
+                    for pidfd in children:
+                        os.close(pidfd)
+                    os.close(report_fd)
+                    return _become_spare(fds, bool(request.get("hosts_store")), template_pid)
+                try:
+                    os.setpgid(pid, pid)  # also done by the child: whichever runs first
+                except OSError:
+                    pass
+                for fd in fds:
+                    os.close(fd)
+                children[os.pidfd_open(pid)] = pid
+                sock.send(json.dumps({"pid": pid}).encode())
+            else:
+                pid = children.pop(ready)
+                os.close(ready)
+                _, status = os.waitpid(pid, 0)
+                _report(report_fd, {"t": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _become_spare(fds: list[int], hosts_store: bool, template_pid: int) -> SpareFds:
+    control_fd, report_fd, out_fd, err_fd = fds
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    die_with(template_pid)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    for fd in (null, out_fd, err_fd):
+        os.close(fd)
+    os.environ["FTRT_REPORT_FD"] = str(report_fd)
+    return SpareFds(control_fd, report_fd, hosts_store)
+
+
+def die_with(parent: int) -> None:
+    """SIGKILL this process when ``parent`` exits (and at once if it already has)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(70)
+
+
+__all__ = ["ENV", "ForkedProc", "SpareFds", "TemplateError", "die_with", "fork_spare", "serve", "socket_pair"]

@@ -1,0 +1,123 @@
+"""Spares forked from a warm template: real processes, a real pool, real exits and kills."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+
+import pytest
+
+from ftrt.agents.workers import WorkerPool
+
+pytestmark = pytest.mark.timeout(120)
+
+SCRIPT = """
+import os, sys, time
+print("imported:", "json" in sys.modules, "rank", os.environ["RANK"], flush=True)
+mode = os.environ["TEST_MODE"]
+if mode == "sleep":
+    time.sleep(60)
+sys.exit(int(os.environ["TEST_CODE"]))
+"""
+
+
+class Pool:
+    """A pool of one worker per round whose output and exits the test reads."""
+
+    def __init__(self, tmp_path):
+        self.out = io.BytesIO()
+        self.exits: list[tuple[int, int]] = []
+        fence = tmp_path / "fence"
+        fence.write_bytes(b"\0" * 64)
+        self.script = tmp_path / "job.py"
+        self.script.write_text(SCRIPT)
+        self.pool = WorkerPool(
+            nproc=1, fence_path=str(fence), warm=True, warm_imports=("json",),
+            base_env={**os.environ, "FTRT_DIAG_OFF": "fence"}, log_dir=None,
+            on_exit=lambda w: self.exits.append((w.pid, w.exit_code)), out=self.out,
+        )
+
+    async def assign(self, code: int, mode: str = "exit"):
+        [w] = await self.pool.take()
+        await w.ready.wait()
+        self.pool.assign(w, local_rank=0, rank=3, round_no=1, script=str(self.script), module=None, argv=(),
+                         env={"RANK": "3", "TEST_MODE": mode, "TEST_CODE": str(code)})
+        return w
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_replacement_spares_are_forked_from_the_template_and_report_their_exit_codes(tmp_path):
+    async def main():
+        p = Pool(tmp_path)
+        try:
+            await p.pool._template_ready(idle_grace=30)
+            tpl = p.pool._template
+            assert tpl is not None and tpl.usable
+            w = await p.assign(7)
+            assert parent_of(w.pid) == tpl.worker.pid  # forked, not started by the agent
+            assert os.getpgid(w.pid) == w.pid  # its own group: the pool stops it by group
+            await asyncio.wait_for(w.exited.wait(), 30)
+            assert p.exits == [(w.pid, 7)]  # the code the template reaped
+            assert b"[rank3]: imported: True rank 3" in p.out.getvalue()
+            # A worker stopped by the pool: SIGTERM reaches it, its code is the signal's.
+            w2 = await p.assign(0, mode="sleep")
+            assert parent_of(w2.pid) == tpl.worker.pid
+            await asyncio.sleep(0.5)
+            await p.pool.stop_running(grace=5)
+            assert w2.exit_code == -signal.SIGTERM and len(p.exits) == 1  # a stop is not a failure
+        finally:
+            await p.pool.close(1)
+        assert tpl.worker.exit_code is not None  # the template went with the pool
+
+    asyncio.run(main())
+
+
+def test_a_lost_template_takes_its_workers_with_it_and_spares_start_directly_after(tmp_path):
+    async def main():
+        p = Pool(tmp_path)
+        try:
+            await p.pool._template_ready(idle_grace=30)
+            tpl = p.pool._template
+            w = await p.assign(0, mode="sleep")
+            os.kill(tpl.worker.pid, signal.SIGKILL)
+            await asyncio.wait_for(w.exited.wait(), 30)
+            assert p.exits == [(w.pid, -signal.SIGKILL)]  # reported as a failure, not lost
+            assert p.pool._template is None
+            w2 = await p.assign(5)  # started directly: the agent is its parent
+            assert parent_of(w2.pid) == os.getpid()
+            await asyncio.wait_for(w2.exited.wait(), 60)
+            assert p.exits[-1] == (w2.pid, 5)
+            await p.pool._template_ready(idle_grace=1)
+            assert p.pool._template is None  # no second template after one failed
+        finally:
+            await p.pool.close(1)
+        with pytest.raises(ProcessLookupError):
+            os.kill(w.pid, 0)
+
+    asyncio.run(main())
+
+
+def test_a_template_whose_warm_imports_initialised_cuda_refuses_to_fork(tmp_path, monkeypatch):
+    fake = tmp_path / "fakecuda"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text(
+        "class cuda:\n    @staticmethod\n    def is_initialized():\n        return True\n")
+    monkeypatch.setenv("PYTHONPATH", f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+    async def main():
+        p = Pool(tmp_path)
+        p.pool.warm_imports = ("torch",)
+        try:
+            await p.pool._template_ready(idle_grace=30)
+            assert p.pool._template is None
+            assert b"initialised CUDA, so spares cannot be forked" in p.out.getvalue()
+        finally:
+            await p.pool.close(1)
+
+    asyncio.run(main())
