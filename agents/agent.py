@@ -175,6 +175,9 @@ class Agent:
             on_memory=lambda rank, step: self.replicator.notify(rank),
         )
         self.pool.adopt_spares(early.take_spawned())
+        template = early.take_template()
+        if template is not None:
+            self.pool.adopt_template(*template)
         self.pool.fill_spares()
         endpoints = await self._connect()
         self.endpoints = endpoints

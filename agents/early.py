@@ -14,15 +14,20 @@ import signal
 import tempfile
 from dataclasses import dataclass, field
 
+import socket
+
+from ftrt import _diag
 from ftrt.agents import boundary
 from ftrt.agents.fence import FenceWriter
 from ftrt.agents.replicator import make_mem_dir
-from ftrt.agents.workers import Spawned, spawn_bootstrap
+from ftrt.agents.workers import Spawned, spawn_bootstrap, spawn_template
 
 
 @dataclass
 class EarlyStart:
-    """The agent's run directory, fence file, worker environment and pre-started spares."""
+    """The agent's run directory, fence file, worker environment and pre-started spares: a spare
+    template (:mod:`ftrt.agents.template`) that forks them once warm, or with templates off, the
+    spares themselves."""
 
     run_dir: str
     fence: FenceWriter
@@ -30,6 +35,7 @@ class EarlyStart:
     base_env: dict[str, str]
     mem_dir: str
     spawned: list[Spawned] = field(default_factory=list)
+    template: tuple[Spawned, socket.socket] | None = None
 
     @classmethod
     def begin(cls, *, nproc: int, warm: bool, warm_imports: tuple[str, ...], spawn: bool = True) -> "EarlyStart":
@@ -43,7 +49,11 @@ class EarlyStart:
         if nproc > 1 and "OMP_NUM_THREADS" not in base_env:
             base_env["OMP_NUM_THREADS"] = "1"  # as torchrun does for several workers per node
         early = cls(run_dir, fence, round_end, base_env, mem_dir)
-        if spawn and warm:
+        if spawn and warm and not _diag.off("template"):
+            # One warm-up for the node, not one per worker: the spares are forks of it.
+            early.template = spawn_template(base_env=base_env, fence_path=fence.path,
+                                            warm_imports=warm_imports, idle=False)
+        elif spawn and warm:
             for i in range(nproc):
                 early.spawned.append(spawn_bootstrap(
                     base_env=base_env, fence_path=fence.path, warm_imports=warm_imports,
@@ -59,15 +69,24 @@ class EarlyStart:
         out, self.spawned = self.spawned, []
         return out
 
+    def take_template(self) -> tuple[Spawned, socket.socket] | None:
+        out, self.template = self.template, None
+        return out
+
     def discard(self) -> None:
         """Undo everything (the launch failed before an agent took over)."""
+        tpl = self.take_template()
+        if tpl is not None:
+            self.spawned.append(tpl[0])
+            tpl[1].close()
         for s in self.take_spawned():
             try:
                 os.killpg(s.popen.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             s.popen.wait()
-            os.close(s.control_fd)
+            if s.control_fd >= 0:
+                os.close(s.control_fd)
             os.close(s.report_fd)
         self.fence.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)

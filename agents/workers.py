@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -153,6 +154,24 @@ def spawn_bootstrap(
     return Spawned(popen, ctl_w, rep_r, hosts_store, time.monotonic())
 
 
+def spawn_template(*, base_env: dict[str, str], fence_path: str, warm_imports: tuple[str, ...],
+                   idle: bool) -> tuple[Spawned, "socket.socket"]:
+    """Start a spare template (:mod:`ftrt.agents.template`): the process and the agent's end of
+    its request socket (synchronous, like :func:`spawn_bootstrap`)."""
+    ours, theirs = template.socket_pair()
+    try:
+        spawned = spawn_bootstrap(base_env=base_env, fence_path=fence_path, warm_imports=warm_imports,
+                                  hosts_store=False, idle=idle, template_fd=theirs.fileno())
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    os.close(spawned.control_fd)  # a template takes requests on its socket only
+    spawned.control_fd = -1
+    return spawned, ours
+
+
 @dataclass(eq=False)
 class Worker:
     """One worker process, warm or assigned."""
@@ -192,7 +211,7 @@ class Worker:
 class SpareTemplate:
     """The pool's template process (:mod:`ftrt.agents.template`) and its request socket."""
 
-    def __init__(self, worker: Worker, sock) -> None:
+    def __init__(self, worker: Worker, sock: socket.socket) -> None:
         self.worker = worker
         self.sock = sock
         self.forked: dict[int, ForkedProc] = {}
@@ -201,6 +220,10 @@ class SpareTemplate:
     @property
     def usable(self) -> bool:
         return self.worker.state == "warm" and self.worker.exit_code is None
+
+    @property
+    def warming(self) -> bool:
+        return self.worker.state == "warming" and self.worker.exit_code is None
 
     def fork(self, hosts_store: bool) -> Spawned:
         """A warm spare, forked now (raises :class:`TemplateError`)."""
@@ -289,22 +312,14 @@ class WorkerPool:
         ))
 
     def _start_template(self, *, idle: bool) -> SpareTemplate:
-        ours, theirs = template.socket_pair()
-        try:
-            spawned = spawn_bootstrap(
-                base_env=self.base_env, fence_path=self.fence_path, warm_imports=self.warm_imports,
-                hosts_store=False, idle=idle, template_fd=theirs.fileno(),
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        os.close(spawned.control_fd)  # a template takes requests on its socket only
-        spawned.control_fd = -1
-        tpl = SpareTemplate(self.adopt(spawned), ours)
+        return self.adopt_template(*spawn_template(
+            base_env=self.base_env, fence_path=self.fence_path, warm_imports=self.warm_imports, idle=idle))
+
+    def adopt_template(self, spawned: Spawned, sock: socket.socket) -> SpareTemplate:
+        """Watch a started spare template; spares are forked from it once it is warm."""
+        tpl = SpareTemplate(self.adopt(spawned), sock)
         self._template = tpl
-        log.info("spare template pid %d started: replacement spares will be forked from it", tpl.worker.pid)
+        log.info("spare template pid %d started: spares will be forked from it", tpl.worker.pid)
         return tpl
 
     async def _template_ready(self, idle_grace: float) -> None:
@@ -339,8 +354,11 @@ class WorkerPool:
         self.spares.extend(self.adopt(s) for s in spawned)
 
     def fill_spares(self, *, idle: bool = False) -> None:
-        """Start spares until ``nproc`` are warm or warming (one of them holding a store)."""
+        """Start spares until ``nproc`` are warm or warming (one of them holding a store). While
+        the template warms, nothing: it fills the spares once warm."""
         if not self.warm or self._closed:
+            return
+        if self._template is not None and self._template.warming:
             return
         while len(self.spares) < self.nproc:
             need_store = not any(w.hosts_store for w in self.spares)
@@ -383,9 +401,21 @@ class WorkerPool:
         self._refill = asyncio.create_task(run())
 
     async def spares_ready(self) -> None:
-        """Wait until every spare has reported ready."""
+        """Wait until every spare has reported ready (and the template they are forked from)."""
+        await self._awaiting_template()
         for w in list(self.spares):
             await w.ready.wait()
+
+    async def _awaiting_template(self, boost: bool = False) -> None:
+        """If spares are missing and the template that fills them warms, wait for it (moved to
+        normal priority if ``boost``)."""
+        tpl = self._template
+        if tpl is None or not tpl.warming or len(self.spares) >= self.nproc:
+            return
+        if boost:
+            _boost(tpl.worker)
+        await tpl.worker.ready.wait()
+        self.fill_spares()  # a template that failed meanwhile: started directly
 
     @property
     def warm_count(self) -> int:
@@ -393,6 +423,7 @@ class WorkerPool:
 
     async def take(self) -> list[Worker]:
         """``nproc`` workers for a round, index 0 holding a TCPStore; cold-started if needed."""
+        await self._awaiting_template(boost=True)
         alive = [w for w in self.spares if w.exit_code is None]
         store_holders = [w for w in alive if w.hosts_store]
         first = store_holders[0] if store_holders else self._spawn(hosts_store=True, idle=False)
@@ -549,6 +580,8 @@ class WorkerPool:
                     if worker.state == "warming":
                         worker.state = "warm"
                     worker.ready.set()
+                    if self._template is not None and worker is self._template.worker:
+                        self.fill_spares()
         finally:
             transport.close()
 

@@ -1,13 +1,14 @@
 """Diagnostic switches: turn one steady-state component off to measure what it costs.
 
-``FTRT_DIAG_OFF=heartbeat,fence,vote`` (any subset) is read by ``python -m bench overhead
---breakdown``'s runs, nowhere else. Each switch removes a safety mechanism, so it is for
-measurement only:
+``FTRT_DIAG_OFF=heartbeat,fence,vote,template`` (any subset) is read by the benches' runs,
+nowhere else. Each switch removes a safety mechanism or a saving, so it is for measurement only:
 
 - ``heartbeat``: ``rt.heartbeat`` sends nothing (no hang detection, no steps in ``ftrt status``);
 - ``fence``: workers run no fence watchdog (a frozen node's workers outlive its lease);
 - ``vote``: ``Checkpointer.save(skip_if_busy=True)`` decides on this rank's view alone, without
-  the collective that also orders memory checkpoints after every rank's previous step.
+  the collective that also orders memory checkpoints after every rank's previous step;
+- ``template``: the agent starts every spare as a new Python process instead of forking it from
+  its spare template (:mod:`ftrt.agents.template`), as before 2026-12-03.
 
 ``FTRT_DIAG_TRACE=PATH`` makes :func:`mark` append one JSON line per phase of a worker's start
 (assigned, process group, restore, first step) to ``PATH``, so a bench can split a pause into its
@@ -21,7 +22,7 @@ import os
 import time
 
 ENV = "FTRT_DIAG_OFF"
-COMPONENTS = ("heartbeat", "fence", "vote")
+COMPONENTS = ("heartbeat", "fence", "vote", "template")
 
 
 def parse(raw: str) -> frozenset[str]:

@@ -121,3 +121,32 @@ def test_a_template_whose_warm_imports_initialised_cuda_refuses_to_fork(tmp_path
             await p.pool.close(1)
 
     asyncio.run(main())
+
+
+FORK_CHECK_SCRIPT = """
+import json, os, sys
+from pathlib import Path
+import ftrt
+rt = ftrt.init()
+forked = os.getppid() != int(os.environ["FTRT_AGENT_PID"])  # a template's child, not the agent's
+Path(sys.argv[1], f"round{rt.round}-rank{rt.rank}.json").write_text(json.dumps(
+    {"forked": forked, "dcp": "torch.distributed.checkpoint" in sys.modules}))
+if rt.round == 1 and rt.rank == 1:
+    sys.exit(3)  # a worker failure: its replacement is a fork too
+"""
+
+
+def test_a_launched_nodes_workers_and_their_replacements_are_forks_of_one_template(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "forks.py"
+    script.write_text(FORK_CHECK_SCRIPT)
+    res = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "launch", "--standalone", "--nproc-per-node", "2",
+                          "--max-restarts", "1", str(script), str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    seen = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("round*-rank*.json")}
+    assert set(seen) == {"round1-rank0", "round1-rank1", "round2-rank0", "round2-rank1"}, seen
+    assert all(s == {"forked": True, "dcp": True} for s in seen.values()), seen
