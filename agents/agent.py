@@ -41,6 +41,7 @@ from ftrt.agents.membership import Taken, register, tcp_refused, update
 from ftrt.agents.peers import PeerMonitor, ring_successors
 from ftrt.agents.records import NodeRecord, RoundRecord
 from ftrt.agents.rendezvous import Rendezvous
+from ftrt.agents.auth import JobToken, job_token
 from ftrt.agents.replicator import Replicator
 from ftrt.agents.session import Session
 from ftrt.agents.states import AgentState, check_transition
@@ -110,6 +111,8 @@ class Agent:
         self.endpoints = ""
         self.mem_dir = ""
         self.replicator: Replicator | None = None
+        self.token: JobToken | None = None
+        """The job's token (:mod:`.auth`), read from etcd once connected; state-changing RPCs need it."""
         self.log = _Prefix(log, {"agent": self})
         self._wake = asyncio.Event()
         self._exited: list[Worker] = []
@@ -166,13 +169,11 @@ class Agent:
         early = self._early or EarlyStart.for_config(cfg)
         self._run_dir, self._fence, self.mem_dir = early.run_dir, early.fence, early.mem_dir
         self._round_end = early.round_end
-        self.replicator = Replicator(cfg.node_id, self.mem_dir, cfg.replica_interval)
-        self.replicator.start()
         self.pool = WorkerPool(
             nproc=cfg.nproc_per_node, fence_path=self._fence.path,
             warm=cfg.warm_workers, warm_imports=cfg.warm_imports, base_env=early.base_env,
             log_dir=cfg.log_dir, on_exit=self._on_worker_exit,
-            on_memory=lambda rank, step: self.replicator.notify(rank),
+            on_memory=lambda rank, step: self.replicator and self.replicator.notify(rank),
         )
         self.pool.adopt_spares(early.take_spawned())
         template = early.take_template()
@@ -181,6 +182,9 @@ class Agent:
         self.pool.fill_spares()
         endpoints = await self._connect()
         self.endpoints = endpoints
+        self.token = await job_token(self.store, self.keys)
+        self.replicator = Replicator(cfg.node_id, self.mem_dir, self.token, cfg.replica_interval)
+        self.replicator.start()
         from ftrt.agents.service import start_server
 
         self._server, port = await start_server(self, self.host, cfg.agent_port)

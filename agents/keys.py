@@ -19,7 +19,7 @@ _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 def check_id(kind: str, value: str) -> str:
     """Validate a job or node id (letters, digits, ``. _ -``; at most 128 characters)."""
-    if not _ID.match(value):
+    if not isinstance(value, str) or not _ID.fullmatch(value):
         raise ConfigError(
             f"The {kind} {value!r} is not valid: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit."
@@ -85,3 +85,8 @@ class JobKeys:
     @property
     def ckpt(self) -> str:
         return f"{self.root}ckpt/"
+
+    @property
+    def token(self) -> str:
+        """The job's token for agent RPCs that change state (:mod:`ftrt.agents.auth`)."""
+        return f"{self.root}auth/token"

@@ -29,7 +29,10 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
+from ftrt.agents.auth import JobToken
+from ftrt.agents.keys import check_id
 from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
+from ftrt.checkpoint.memindex import check_index
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -60,9 +63,10 @@ def make_mem_dir() -> str:
 class Replicator:
     """Sends this node's newest memory checkpoints to one peer agent."""
 
-    def __init__(self, node_id: str, mem_dir: str, interval: float = 0.0) -> None:
+    def __init__(self, node_id: str, mem_dir: str, token: JobToken, interval: float = 0.0) -> None:
         self.node_id = node_id
         self.mem_dir = mem_dir
+        self.token = token
         self.interval = interval
         """Seconds between two sends of a rank whose checkpoint holds every tensor whole (the newest
         goes). A data-parallel rank's copy only backs up what every survivor holds too; a sharded
@@ -145,7 +149,7 @@ class Replicator:
                 raise ValueError(f"rank {rank}'s arena slot was reused during replication")
 
         stub = agent_pb2_grpc.AgentServiceStub(await self._channel_to(peer))
-        ack = await stub.PutReplica(chunks(), timeout=300)
+        ack = await stub.PutReplica(chunks(), timeout=300, metadata=self.token.metadata())
         self.sent_bytes += ack.bytes
         self.sends[rank] = self.sends.get(rank, 0) + 1
         self.last_sent[rank] = index["step"]
@@ -176,23 +180,42 @@ def _previous_slot(directory: Path) -> int | None:
         return None
 
 
+def replica_dir(mem_dir: str, chunk: agent_pb2.ReplicaChunk) -> tuple[Path, dict]:
+    """Where a replica stream's header says to store it, and its checked index. Every name from
+    the wire is checked before it becomes part of a path (ValueError otherwise): the source is a
+    node id, the rank and step those of the index, which :func:`check_index` accepts."""
+    source = check_id("source node", chunk.source_node)
+    try:
+        index = check_index(json.loads(chunk.index_json))
+    except ValueError as exc:
+        raise ValueError(f"the replica of rank {chunk.rank} from {source} has an invalid index: {exc}") from None
+    if (index["rank"], index["step"]) != (chunk.rank, chunk.step):
+        raise ValueError(f"the replica's header (rank {chunk.rank}, step {chunk.step}) does not match its index "
+                         f"(rank {index['rank']}, step {index['step']})")
+    return Path(mem_dir) / "replicas" / source / f"rank-{index['rank']}", index
+
+
 async def receive_replica(mem_dir: str, request_iterator) -> agent_pb2.ReplicaAck:
     """Store one replica stream (the server side of ``PutReplica``)."""
     header = None
     f = None
+    path = None  # the slot file being written, until its index is published
     received = 0
     try:
         async for chunk in request_iterator:
             if header is None:
                 header = chunk
-                index = json.loads(chunk.index_json)
-                directory = Path(mem_dir) / "replicas" / chunk.source_node / f"rank-{chunk.rank}"
+                directory, index = replica_dir(mem_dir, chunk)
                 directory.mkdir(parents=True, exist_ok=True)
                 now = current_slot(directory)
                 slot = 0 if now is None else 1 - now
                 invalidate_slot(directory, slot)
-                f = open(directory / f"slot-{slot}.bin", "wb")
+                path = directory / f"slot-{slot}.bin"
+                f = open(path, "wb")
             if chunk.data:
+                if received + len(chunk.data) > index["size"]:
+                    raise ValueError(f"the replica of rank {header.rank} step {header.step} sent more than the "
+                                     f"{index['size']} bytes its index gives")
                 await asyncio.to_thread(f.write, chunk.data)
                 received += len(chunk.data)
         if header is None:
@@ -205,7 +228,10 @@ async def receive_replica(mem_dir: str, request_iterator) -> agent_pb2.ReplicaAc
         index.pop("file", None)
         index["slot"] = slot
         publish_index(directory, index)
+        path = None
         return agent_pb2.ReplicaAck(bytes=received)
     finally:
         if f is not None:
             f.close()
+        if path is not None:  # a torn or refused stream leaves no bytes behind
+            path.unlink(missing_ok=True)

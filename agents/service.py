@@ -42,6 +42,14 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             uptime_s=time.monotonic() - self.started,
         )
 
+    async def _authorize(self, context) -> None:
+        """Abort the call with UNAUTHENTICATED unless it shows the job's token (:mod:`.auth`)."""
+        token = self.agent.token
+        if token is None or not token.allows(context.invocation_metadata()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "This call changes the agent's state and needs the job's token, which it did not "
+                                "show; only the job's own agents hold it.")
+
     async def Health(self, request, context):
         return self._health()
 
@@ -79,9 +87,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def PutReplica(self, request_iterator, context):
         from ftrt.agents.replicator import receive_replica
 
+        await self._authorize(context)
         try:
             return await receive_replica(self.agent.mem_dir, request_iterator)
-        except (OSError, ValueError) as exc:
+        except ValueError as exc:  # a bad name, index or size from the wire: nothing was stored
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OSError as exc:
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
 
 

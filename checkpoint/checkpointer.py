@@ -38,6 +38,7 @@ from ftrt import _diag
 from ftrt.checkpoint import manifest as mf
 from ftrt.checkpoint import memtier
 from ftrt.checkpoint import state as st
+from ftrt.checkpoint.skeleton import Unencodable
 from ftrt.checkpoint.staging import Stager
 from ftrt.checkpoint.storage import (
     MANIFEST,
@@ -288,6 +289,11 @@ class Checkpointer:
                 self.skipped_saves += 1
                 return SaveHandle.skipped_at(step)
         sd = self._stager.snapshot_plain(self._state_dicts.to_dcp(state))
+        if self._arena is not None:
+            try:  # here, not in the staging thread: a state the memory tier cannot keep is the caller's error
+                sd = memtier.flatten(sd)
+            except Unencodable as exc:
+                raise ConfigError(str(exc)) from None
         slot = self._stager.acquire(avoid=avoid)
         handle = SaveHandle(step)
         handle.persisting = persist
@@ -312,11 +318,12 @@ class Checkpointer:
             handle.background_cpu_s += time.thread_time() - c0
             handle._staged.set()
 
-    def _stage_memory(self, slot: int, sd: Any, handle: SaveHandle, step: int) -> Any:
-        """Stage into the arena's slot, then make it the rank's current memory checkpoint."""
+    def _stage_memory(self, slot: int, flattened: tuple[dict[str, Any], Any], handle: SaveHandle, step: int) -> Any:
+        """Stage a flattened state (:func:`memtier.flatten`) into the arena's slot, then make it
+        the rank's current memory checkpoint."""
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            flat, skeleton = memtier.flatten(sd)
+            flat, skeleton = flattened
             entries, size = memtier.layout(flat)
             bufs = self._arena.buffers(slot, entries, size)
             staged: dict[str, Any] = {}
@@ -587,7 +594,7 @@ class Checkpointer:
             log.warning("memory tier could not restore (%s); using storage", errors[0])
             return None
         _diag.mark("restore.memory.filled")
-        loaded = memtier.unflatten(memtier.skeleton_of(old[min(old)]), t_flat)
+        loaded = memtier.unflatten(old[min(old)]["skeleton"], t_flat)
         st.apply(state, loaded)
         log.info("restored checkpoint step %d from memory (saved by %d ranks in round %d)", step, world, rnd)
         self.last_restore_tier = "memory"

@@ -22,12 +22,10 @@ with a broadcast on the checkpoint's process group.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import math
 import os
-import pickle
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +33,9 @@ from typing import Any
 
 import torch
 
+from ftrt.checkpoint import skeleton as skel
 from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
+from ftrt.checkpoint.memindex import ITEMSIZE, BadIndex, check_index
 from ftrt.checkpoint.staging import _is_dtensor
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ ALIGN = 64
 
 class Unsupported(Exception):
     """A tensor layout the memory tier cannot reshard (the storage tier is used instead)."""
+
+
 
 
 @dataclass
@@ -58,8 +60,15 @@ class Entry:
     global_offset: list[int]
 
 
+_DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype) and str(v) in ITEMSIZE}
+"""The dtypes an index may name, by ``str`` (``"torch.float32"``): no other attribute of torch."""
+
+
 def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise BadIndex(f"dtype {str(name)[:40]!r} is not a torch dtype") from None
 
 
 def _region(t: Any) -> tuple[list[int], list[int], list[int]]:
@@ -85,20 +94,11 @@ def layout(flat: dict[str, Any]) -> tuple[list[Entry], int]:
 
 
 def flatten(sd: Any, prefix: str = "") -> tuple[dict[str, Any], Any]:
-    """Split a state dict into its tensors (by path) and a skeleton with markers in their place."""
-    tensors: dict[str, Any] = {}
-
-    def walk(x: Any, path: str) -> Any:
-        if isinstance(x, dict):
-            return {k: walk(v, f"{path}/{k}") for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(walk(v, f"{path}/{i}") for i, v in enumerate(x))
-        if isinstance(x, torch.Tensor):
-            tensors[path] = x
-            return {"__ftrt_tensor__": path}
-        return x
-
-    return tensors, walk(sd, prefix)
+    """Split a state dict into its tensors (by path) and its skeleton: the rest, as JSON
+    (:mod:`ftrt.checkpoint.skeleton`; raises :class:`skeleton.Unencodable` for a value it cannot
+    describe)."""
+    encoded, tensors = skel.encode(sd, lambda v: isinstance(v, torch.Tensor), prefix)
+    return tensors, encoded
 
 
 class Arena:
@@ -146,23 +146,30 @@ class Arena:
         index = {
             "step": step, "round": round_no, "rank": self.rank, "world": world, "slot": slot,
             "size": size, "entries": [vars(e) for e in entries],  # vars: asdict deep-copies, ~6 ms a save
-            "skeleton": base64.b64encode(pickle.dumps(skeleton)).decode(),
+            "skeleton": skeleton,
         }
         publish_index(self.dir, index)
         return index
 
 
 def scan(mem_dir: str) -> list[dict]:
-    """Every complete memory checkpoint in a node's directory (own and replicas), with its file."""
+    """Every complete memory checkpoint in a node's directory (own and replicas), with its file.
+    An index that does not check out (:func:`check_index`) is skipped with a warning."""
     out = []
     for current in [*Path(mem_dir).glob("**/current.json"), *Path(mem_dir).glob("**/previous.json")]:
         try:
-            index = json.loads(current.read_text())
-        except (OSError, ValueError):
+            index = check_index(json.loads(current.read_text()))
+        except OSError:
+            continue
+        except ValueError as exc:  # BadIndex, or not JSON
+            log.warning("ignoring memory checkpoint index %s: %s", current, exc)
             continue
         index["file"] = str(current.parent / f"slot-{index['slot']}.bin")
-        if Path(index["file"]).exists():
-            out.append(index)
+        try:
+            if os.path.getsize(index["file"]) >= index["size"]:
+                out.append(index)
+        except OSError:
+            pass
     return out
 
 
@@ -335,18 +342,16 @@ def needed_ranks(target_flat: dict[str, Any], old: dict[int, dict], local: set[i
     return need - local
 
 
-def skeleton_of(index: dict) -> Any:
-    return pickle.loads(base64.b64decode(index["skeleton"]))
-
-
 def unflatten(skeleton: Any, values: dict[str, Any]) -> Any:
-    if isinstance(skeleton, dict):
-        if set(skeleton) == {"__ftrt_tensor__"}:
-            return values[skeleton["__ftrt_tensor__"]]
-        return {k: unflatten(v, values) for k, v in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(unflatten(v, values) for v in skeleton)
-    return skeleton
+    """The state :func:`flatten` split, with ``values[path]`` for each tensor."""
+    def tensor(path: str) -> Any:
+        try:
+            return values[path]
+        except KeyError:
+            raise skel.BadSkeleton(f"the skeleton names a tensor {path[:60]!r} that the state does not have") from None
+
+    return skel.decode(skeleton, tensor)
 
 
-__all__ = ["Arena", "Entry", "Unsupported", "choose", "fill", "flatten", "layout", "needed_ranks", "scan"]
+__all__ = ["Arena", "BadIndex", "Entry", "Unsupported", "check_index", "choose", "fill", "flatten", "layout",
+           "needed_ranks", "scan", "unflatten"]

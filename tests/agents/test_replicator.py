@@ -9,10 +9,14 @@ import types
 import grpc.aio
 import torch
 
+from ftrt.agents.auth import JobToken
 from ftrt.agents.replicator import Replicator
 from ftrt.agents.service import AgentServicer
 from ftrt.checkpoint.memtier import Arena, Entry
 from ftrt.v1 import agent_pb2_grpc
+
+
+TOKEN = JobToken("5" * 64)
 
 
 def commit(mem_dir, rank: int, step: int, sharded: bool) -> None:
@@ -22,7 +26,7 @@ def commit(mem_dir, rank: int, step: int, sharded: bool) -> None:
     arena = Arena(str(mem_dir), rank)
     slot = (arena.current_slot() or 0) ^ 1
     arena.buffers(slot, entries, 4096)["w"].copy_(t)
-    arena.commit(slot=slot, step=step, round_no=1, world=2, entries=entries, size=4096, skeleton={})
+    arena.commit(slot=slot, step=step, round_no=1, world=2, entries=entries, size=4096, skeleton={"dict": []})
 
 
 def replica_step(mem_dir, rank: int) -> int | None:
@@ -35,10 +39,10 @@ def test_sharded_ranks_go_after_every_checkpoint_and_whole_ones_at_most_every_in
 
     async def main():
         server = grpc.aio.server()
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(types.SimpleNamespace(mem_dir=str(dst))), server)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(types.SimpleNamespace(mem_dir=str(dst), token=TOKEN)), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        rep = Replicator("a", str(src), interval=0.5)
+        rep = Replicator("a", str(src), TOKEN, interval=0.5)
         rep.start()
         rep.set_peer(f"127.0.0.1:{port}")
         try:

@@ -25,7 +25,7 @@ def save_rank(mem_dir, rank: int, world: int, chunks: dict[str, tuple[torch.Tens
     bufs = arena.buffers(0, entries, pos)
     for key, (t, _, _) in chunks.items():
         bufs[key].copy_(t)
-    arena.commit(slot=0, step=step, round_no=1, world=world, entries=entries, size=pos, skeleton={})
+    arena.commit(slot=0, step=step, round_no=1, world=world, entries=entries, size=pos, skeleton={"dict": []})
 
 
 def load(mem_dir, with_files: bool = True):

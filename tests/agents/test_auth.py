@@ -1,0 +1,103 @@
+"""Agent RPCs that change state need the job's token: real etcd, real agents, a rogue gRPC client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+
+from ftrt.agents.auth import READS, WRITES, JobToken, job_token
+from ftrt.agents.keys import JobKeys
+from ftrt.store.etcd import EtcdStore
+from ftrt.v1 import agent_pb2, agent_pb2_grpc
+from tests.agents.harness import FAST_WARM, Node, wait_until
+
+WORKER = Path(__file__).parents[1] / "checkpoint" / "tier_worker.py"
+
+
+def test_every_agent_rpc_is_either_a_read_or_a_write_that_needs_the_token():
+    methods = {m.name for m in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods}
+    assert methods == READS | WRITES and not READS & WRITES, methods  # a new RPC must be classified
+
+
+def test_the_first_agent_creates_the_jobs_token_and_every_other_reads_the_same(etcd_endpoint, job_id):
+    async def main():
+        stores = [EtcdStore(etcd_endpoint, timeout=3.0) for _ in range(4)]
+        try:
+            return await asyncio.gather(*(job_token(s, JobKeys(job_id)) for s in stores))
+        finally:
+            for s in stores:
+                await s.close()
+
+    tokens = asyncio.run(main())
+    assert len({t.value for t in tokens}) == 1 and len(tokens[0].value) == 64
+    t = tokens[0]
+    assert t.allows(t.metadata())
+    assert not t.allows(()) and not t.allows((("authorization", "Bearer " + "0" * 64),))
+    assert not t.allows(JobToken("x" * 64).metadata())
+
+
+def rogue_calls(addr: str) -> dict[str, grpc.StatusCode]:
+    """Every state-changing RPC, without the token and with a made-up one; the status of each."""
+    index = {"step": 1, "round": 1, "rank": 0, "world": 1, "slot": 0, "size": 64, "entries": [],
+             "skeleton": {"dict": []}}
+    replica = agent_pb2.ReplicaChunk(source_node="rogue", rank=0, step=1, index_json=json.dumps(index),
+                                     data=b"\xff" * 64)
+
+    async def main():
+        out = {}
+        async with grpc.aio.insecure_channel(addr) as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            for name, metadata in (("none", ()), ("made-up", JobToken("0" * 64).metadata())):
+                try:
+                    await stub.PutReplica(iter([replica]), metadata=metadata, timeout=5)
+                    out[f"PutReplica/{name}"] = grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as exc:
+                    out[f"PutReplica/{name}"] = exc.code()
+        return out
+
+    assert WRITES == {"PutReplica"}, "call every state-changing RPC here"
+    return asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_rogue_client_is_refused_by_a_running_job_whose_own_replication_goes_on(tmp_path, etcd_endpoint, job_id):
+    log = tmp_path / "events.jsonl"
+    args = ["--etcd", etcd_endpoint, "--job-id", job_id, "--nnodes", "1:2", "--lease-ttl", "2",
+            "--first-round-wait", "1", *FAST_WARM, str(WORKER), str(tmp_path / "ck"), str(log), "300"]
+    nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
+
+    def steps() -> list[dict]:
+        try:
+            return [e for e in map(json.loads, log.read_text().splitlines()) if e.get("event") == "step"]
+        except FileNotFoundError:
+            return []
+
+    try:
+        wait_until(lambda: any(e.get("world") == 2 and e.get("step", 0) >= 20 for e in steps()), 90, "2 nodes training")
+        status = json.loads(subprocess.run(
+            [sys.executable, "-m", "ftrt.cli.main", "status", "--etcd", etcd_endpoint, "--job-id", job_id, "--json"],
+            capture_output=True, text=True, timeout=30).stdout)
+        addrs = [n["agent_addr"] for n in status["nodes"].values()]
+        assert len(addrs) == 2
+        for addr in addrs:
+            assert rogue_calls(addr) == {"PutReplica/none": grpc.StatusCode.UNAUTHENTICATED,
+                                         "PutReplica/made-up": grpc.StatusCode.UNAUTHENTICATED}
+        # The job's own agents hold the token: a node's loss is restored from its peer's replica.
+        killed_at = nodes["b"].kill()
+        restore = wait_until(lambda: next((e for e in (json.loads(x) for x in log.read_text().splitlines())
+                                           if e.get("event") == "restore" and e["time"] > killed_at), None),
+                             60, "the survivor's restore")
+        assert restore["tier"] == "memory" and restore["ok"], restore
+        assert nodes["a"].wait(120) == 0, nodes["a"].log()
+        assert not list(Path("/dev/shm").glob("ftrt-mem-*/replicas/rogue")) and not list(
+            Path("/tmp").glob("ftrt-mem-*/replicas/rogue"))
+    finally:
+        for n in nodes.values():
+            n.cleanup()
