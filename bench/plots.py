@@ -51,8 +51,10 @@ def steps_vs_interval_png(entries: list[dict], path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = ["none" if e["every"] is None else f"{e['every']:g} s" for e in entries]
     x = range(len(entries))
+    top = 0.0
     for system, dx in (("ftrt", -0.2), ("torchrun", 0.2)):
         rate = [e.get(f"{system}_steps", 0) * 60 / e["wall_s"] for e in entries]
+        top = max(top, *rate)
         bars = ax.bar([i + dx for i in x], rate, width=0.4, color=COLORS[system], label=system)
         for b, e in zip(bars, entries):
             ax.annotate(f"{e.get(f'{system}_steps', 0)}", (b.get_x() + b.get_width() / 2, b.get_height()),
@@ -65,7 +67,8 @@ def steps_vs_interval_png(entries: list[dict], path: str | Path) -> None:
     ax.set_xlabel("a node killed every (and back 10 s later)")
     ax.set_ylabel("steps trained per minute")
     ax.set_title("GRPO on 3 nodes: steps trained in the same wall time (labels: steps)")
-    ax.legend(loc="lower right")
+    ax.set_ylim(0, top * 1.25)  # room for the legend above the bars, clear of the ratio labels
+    ax.legend(loc="upper center", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -101,11 +104,13 @@ def rdzv_scale_png(result: dict, path: str | Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m bench.plots {rdzv_scale,goodput} RESULT.json OUT.png``: redraw a figure from a result."""
+    """``python -m bench.plots {rdzv_scale,goodput,series} RESULT.json OUT.png``: redraw a figure from a
+    result (``series``: steps trained against the fault interval, from ``bench goodput --every A,B``)."""
     import json
     import sys
 
-    kinds = {"rdzv_scale": lambda d, out: rdzv_scale_png(d, out), "goodput": lambda d, out: goodput_png(d["rows"], out)}
+    kinds = {"rdzv_scale": lambda d, out: rdzv_scale_png(d, out), "goodput": lambda d, out: goodput_png(d["rows"], out),
+             "series": lambda d, out: steps_vs_interval_png(d["series"], out)}
     if len(argv) != 3 or argv[0] not in kinds:
         print(f"usage: python -m bench.plots {{{','.join(kinds)}}} RESULT.json OUT.png", file=sys.stderr)
         return 2
