@@ -4,7 +4,8 @@ When a worker reports a complete memory checkpoint (``{"t": "mem", "rank": r, "s
 agent streams that rank's arena (index first, then the bytes in 1 MiB chunks) to its ring successor
 in the current round with :meth:`AgentService.PutReplica`. Replication is latest-wins per rank: a
 checkpoint superseded before its turn is skipped. The receiver writes into the alternate slot of
-``replicas/<node>/rank-<r>/`` and publishes the index only when every byte arrived, so a torn
+``replicas/<node>/rank-<r>/`` and publishes the index only when every byte arrived and matched
+the CRC-32 the sender computed as it read them (the stream's last message), so a torn or damaged
 transfer never replaces a good replica. After the loss of a node, the survivors' workers find
 that node's arenas among their own node's replicas (:func:`ftrt.checkpoint.memtier.scan`).
 
@@ -24,6 +25,7 @@ import logging
 import os
 import shutil
 import time
+import zlib
 from pathlib import Path
 
 import grpc
@@ -136,10 +138,11 @@ class Replicator:
         async def chunks():
             yield agent_pb2.ReplicaChunk(source_node=self.node_id, rank=rank, step=index["step"],
                                          index_json=json.dumps(index))
+            crc = 0
             with open(path, "rb") as f:
                 sent = 0
                 while sent < index["size"]:
-                    data = await asyncio.to_thread(f.read, min(CHUNK, index["size"] - sent))
+                    data, crc = await asyncio.to_thread(_read_crc, f, min(CHUNK, index["size"] - sent), crc)
                     if not data:
                         break
                     sent += len(data)
@@ -147,6 +150,7 @@ class Replicator:
             # The slot must not have been reused while we read it, or the copy is torn.
             if current_slot(directory) != index["slot"] and _previous_slot(directory) != index["slot"]:
                 raise ValueError(f"rank {rank}'s arena slot was reused during replication")
+            yield agent_pb2.ReplicaChunk(crc32=f"{crc:08x}")
 
         stub = agent_pb2_grpc.AgentServiceStub(await self._channel_to(peer))
         ack = await stub.PutReplica(chunks(), timeout=300, metadata=self.token.metadata())
@@ -171,6 +175,16 @@ class Replicator:
         if self._channel is not None:
             await self._channel[1].close()
             self._channel = None
+
+
+def _read_crc(f, n: int, crc: int) -> tuple[bytes, int]:
+    data = f.read(n)
+    return data, zlib.crc32(data, crc)
+
+
+def _write_crc(f, data: bytes, crc: int) -> int:
+    f.write(data)
+    return zlib.crc32(data, crc)
 
 
 def _previous_slot(directory: Path) -> int | None:
@@ -201,6 +215,8 @@ async def receive_replica(mem_dir: str, request_iterator) -> agent_pb2.ReplicaAc
     f = None
     path = None  # the slot file being written, until its index is published
     received = 0
+    crc = 0
+    claimed: str | None = None
     try:
         async for chunk in request_iterator:
             if header is None:
@@ -212,12 +228,16 @@ async def receive_replica(mem_dir: str, request_iterator) -> agent_pb2.ReplicaAc
                 invalidate_slot(directory, slot)
                 path = directory / f"slot-{slot}.bin"
                 f = open(path, "wb")
+            if claimed is not None:
+                raise ValueError(f"the replica of rank {header.rank} step {header.step} went on after its checksum")
             if chunk.data:
                 if received + len(chunk.data) > index["size"]:
                     raise ValueError(f"the replica of rank {header.rank} step {header.step} sent more than the "
                                      f"{index['size']} bytes its index gives")
-                await asyncio.to_thread(f.write, chunk.data)
+                crc = await asyncio.to_thread(_write_crc, f, chunk.data, crc)
                 received += len(chunk.data)
+            if chunk.crc32:
+                claimed = chunk.crc32
         if header is None:
             return agent_pb2.ReplicaAck(bytes=0)
         f.close()
@@ -225,6 +245,10 @@ async def receive_replica(mem_dir: str, request_iterator) -> agent_pb2.ReplicaAc
         if received != index["size"]:
             raise ValueError(f"replica of rank {header.rank} step {header.step} ended after {received} "
                              f"of {index['size']} bytes")
+        if claimed != f"{crc:08x}":
+            raise ValueError(f"the replica of rank {header.rank} step {header.step} "
+                             + ("carried no checksum" if claimed is None else
+                                f"does not match its checksum (sent {claimed[:8]!r}, received {crc:08x})"))
         index.pop("file", None)
         index["slot"] = slot
         publish_index(directory, index)

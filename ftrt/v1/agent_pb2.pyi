@@ -85,18 +85,20 @@ class LivenessBeat(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., time: _Optional[float] = ...) -> None: ...
 
 class ReplicaChunk(_message.Message):
-    __slots__ = ("source_node", "rank", "step", "index_json", "data")
+    __slots__ = ("source_node", "rank", "step", "index_json", "data", "crc32")
     SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     INDEX_JSON_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     source_node: str
     rank: int
     step: int
     index_json: str
     data: bytes
-    def __init__(self, source_node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., index_json: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    crc32: str
+    def __init__(self, source_node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., index_json: _Optional[str] = ..., data: _Optional[bytes] = ..., crc32: _Optional[str] = ...) -> None: ...
 
 class ReplicaAck(_message.Message):
     __slots__ = ("bytes",)

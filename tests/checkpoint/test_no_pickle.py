@@ -1,5 +1,6 @@
 """Nothing from outside is unpickled: a malicious pickle planted in a memory index, in a peer's
-replica (over real gRPC) or in DCP's ``.metadata`` is refused, and its side effect never happens."""
+replica (over real gRPC) or in DCP's ``.metadata`` is refused, and its side effect never happens.
+Replicas are also checked for their names, sizes and checksums before anything is stored."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import pickle
 import types
+import zlib
 
 import grpc
 import grpc.aio
@@ -128,7 +130,10 @@ def test_a_replica_carrying_a_pickle_or_a_path_outside_its_folder_is_refused_ove
         return agent_pb2.ReplicaChunk(source_node=source, rank=idx["rank"], step=idx["step"],
                                       index_json=json.dumps(idx), data=b"\0" * idx["size"])
 
-    async def put(c: agent_pb2.ReplicaChunk) -> grpc.StatusCode:
+    def trailer(data: bytes) -> agent_pb2.ReplicaChunk:
+        return agent_pb2.ReplicaChunk(crc32=f"{zlib.crc32(data):08x}")
+
+    async def put(*c: agent_pb2.ReplicaChunk) -> grpc.StatusCode:
         server = grpc.aio.server()
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
             AgentServicer(types.SimpleNamespace(mem_dir=str(mem), token=token)), server)
@@ -138,7 +143,7 @@ def test_a_replica_carrying_a_pickle_or_a_path_outside_its_folder_is_refused_ove
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = agent_pb2_grpc.AgentServiceStub(channel)
                 try:
-                    await stub.PutReplica(iter([c]), metadata=token.metadata())  # a caller with the token
+                    await stub.PutReplica(iter(c), metadata=token.metadata())  # a caller with the token
                 except grpc.aio.AioRpcError as exc:
                     return exc.code()
                 return grpc.StatusCode.OK
@@ -156,7 +161,10 @@ def test_a_replica_carrying_a_pickle_or_a_path_outside_its_folder_is_refused_ove
     assert asyncio.run(put(too_long)) == grpc.StatusCode.INVALID_ARGUMENT
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert written == [], written  # nothing stored anywhere, inside the memory folder or out
-    assert asyncio.run(put(chunk("peer", index()))) == grpc.StatusCode.OK  # a good one still goes
+    assert asyncio.run(put(chunk("peer", index()))) == grpc.StatusCode.INVALID_ARGUMENT  # no checksum
+    assert asyncio.run(put(chunk("peer", index()), trailer(b"\1" * 64))) == grpc.StatusCode.INVALID_ARGUMENT  # damaged
+    assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert asyncio.run(put(chunk("peer", index()), trailer(b"\0" * 64))) == grpc.StatusCode.OK  # a good one goes
     assert memtier.scan(str(mem))[0]["step"] == 4
     assert not marker.exists()
 
