@@ -30,6 +30,7 @@ import tempfile
 import time
 import uuid
 
+from ftrt.agents.auth import JobToken, job_token
 from ftrt.agents.boundary import RoundEndWriter, boundary_timeout, planned_change
 from ftrt.agents.config import LaunchConfig
 from ftrt.agents.decide import RendezvousConfig
@@ -41,7 +42,6 @@ from ftrt.agents.membership import Taken, register, tcp_refused, update
 from ftrt.agents.peers import PeerMonitor, ring_successors
 from ftrt.agents.records import NodeRecord, RoundRecord
 from ftrt.agents.rendezvous import Rendezvous
-from ftrt.agents.auth import JobToken, job_token
 from ftrt.agents.replicator import Replicator
 from ftrt.agents.session import Session
 from ftrt.agents.states import AgentState, check_transition

@@ -20,6 +20,7 @@ import secrets
 from dataclasses import dataclass
 
 from ftrt.agents.keys import JobKeys
+from ftrt.errors import StoreError
 from ftrt.store.api import Compare, Get, Put, Store
 
 METADATA_KEY = "authorization"
@@ -55,7 +56,7 @@ async def job_token(store: Store, keys: JobKeys, *, timeout: float = 5.0) -> Job
         return JobToken(fresh.decode())
     found = res.results[0]
     if not found:
-        raise RuntimeError(f"the job's token at {keys.token} vanished while it was read")
+        raise StoreError(f"The job's token at {keys.token} vanished while it was read; start the agent again.")
     return JobToken(found[0].value.decode())
 
 

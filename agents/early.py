@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import tempfile
 from dataclasses import dataclass, field
-
-import socket
 
 from ftrt import _diag
 from ftrt.agents import boundary

@@ -288,9 +288,14 @@ class Checkpointer:
                 log.info("checkpoint step %d: no free memory slot while storage is busy; skipped", step)
                 self.skipped_saves += 1
                 return SaveHandle.skipped_at(step)
-        sd = self._stager.snapshot_plain(self._state_dicts.to_dcp(state))
-        if self._arena is not None:
-            try:  # here, not in the staging thread: a state the memory tier cannot keep is the caller's error
+        sd = self._state_dicts.to_dcp(state)
+        if self._arena is None:
+            sd = self._stager.snapshot_plain(sd)
+        else:
+            # Flattening rebuilds every non-tensor leaf as JSON values, so it is also the snapshot
+            # of them that a save needs (the caller may change them right after); and it runs
+            # here, not in the staging thread, since a state it cannot describe is the caller's error.
+            try:
                 sd = memtier.flatten(sd)
             except Unencodable as exc:
                 raise ConfigError(str(exc)) from None

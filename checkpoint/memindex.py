@@ -60,7 +60,8 @@ def check_index(index: Any) -> dict:
     """
     if not isinstance(index, dict):
         raise BadIndex("the index is not a JSON object")
-    _int(index, "step"), _int(index, "round")
+    _int(index, "step")
+    _int(index, "round")
     world = _int(index, "world", 1)
     if _int(index, "rank") >= world:
         raise BadIndex(f"rank {index['rank']} is outside a world of {world}")

@@ -39,6 +39,11 @@ class Pool:
             on_exit=lambda w: self.exits.append((w.pid, w.exit_code)), out=self.out,
         )
 
+    async def warm_template(self):
+        """Start the pool's template and wait until it is warm; the template."""
+        await self.pool._template_ready(idle_grace=30)
+        return self.pool._template
+
     async def assign(self, code: int, mode: str = "exit"):
         [w] = await self.pool.take()
         await w.ready.wait()
@@ -56,8 +61,7 @@ def test_replacement_spares_are_forked_from_the_template_and_report_their_exit_c
     async def main():
         p = Pool(tmp_path)
         try:
-            await p.pool._template_ready(idle_grace=30)
-            tpl = p.pool._template
+            tpl = await p.warm_template()
             assert tpl is not None and tpl.usable
             w = await p.assign(7)
             assert parent_of(w.pid) == tpl.worker.pid  # forked, not started by the agent
@@ -82,8 +86,7 @@ def test_a_lost_template_takes_its_workers_with_it_and_spares_start_directly_aft
     async def main():
         p = Pool(tmp_path)
         try:
-            await p.pool._template_ready(idle_grace=30)
-            tpl = p.pool._template
+            tpl = await p.warm_template()
             w = await p.assign(0, mode="sleep")
             os.kill(tpl.worker.pid, signal.SIGKILL)
             await asyncio.wait_for(w.exited.wait(), 30)
@@ -114,8 +117,7 @@ def test_a_template_whose_warm_imports_initialised_cuda_refuses_to_fork(tmp_path
         p = Pool(tmp_path)
         p.pool.warm_imports = ("torch",)
         try:
-            await p.pool._template_ready(idle_grace=30)
-            assert p.pool._template is None
+            assert await p.warm_template() is None
             assert b"initialised CUDA, so spares cannot be forked" in p.out.getvalue()
         finally:
             await p.pool.close(1)
