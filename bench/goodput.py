@@ -243,17 +243,35 @@ def duration_for(every: float | None, duration: float, down: float, tail: float 
 
 
 def series(rows: list[dict]) -> list[dict]:
-    """Per fault interval: steps trained by each system in the same wall time, and their ratio."""
+    """Per fault interval: steps trained by each system in the same wall time, and their ratio.
+
+    With repeats (rows carrying ``rep``), steps and goodput are means over the repeats, the ratio
+    is the ratio of the summed steps, and ``pair_ratios`` lists each repeat's own ratio."""
     out = []
     for every in dict.fromkeys(r["every"] for r in rows):
-        by = {r["system"]: r for r in rows if r["every"] == every}
-        entry = {"every": every, "wall_s": next(iter(by.values()))["wall_s"],
-                 **{f"{k}_steps": v["steps"] for k, v in by.items()},
-                 **{f"{k}_goodput": v["goodput"] for k, v in by.items()}}
-        if "ftrt" in by and "torchrun" in by and by["torchrun"]["steps"]:
-            entry["steps_ratio"] = round(by["ftrt"]["steps"] / by["torchrun"]["steps"], 4)
+        same = [r for r in rows if r["every"] == every]
+        systems = list(dict.fromkeys(r["system"] for r in same))
+        by = {s: [r for r in same if r["system"] == s] for s in systems}
+        entry = {"every": every, "wall_s": same[0]["wall_s"],
+                 **{f"{k}_steps": round(sum(r["steps"] for r in v) / len(v), 1) if len(v) > 1 else v[0]["steps"]
+                    for k, v in by.items()},
+                 **{f"{k}_goodput": round(sum(r["goodput"] for r in v) / len(v), 4) for k, v in by.items()}}
+        if "ftrt" in by and "torchrun" in by and sum(r["steps"] for r in by["torchrun"]):
+            entry["steps_ratio"] = round(sum(r["steps"] for r in by["ftrt"]) / sum(r["steps"] for r in by["torchrun"]), 4)
+            pairs = {r.get("rep", 0): {} for r in same}
+            for r in same:
+                pairs[r.get("rep", 0)][r["system"]] = r["steps"]
+            if len(pairs) > 1:
+                entry["pair_ratios"] = [round(p["ftrt"] / p["torchrun"], 4) for p in pairs.values()
+                                        if p.get("torchrun") and "ftrt" in p]
         out.append(entry)
     return out
+
+
+def run_order(systems: list[str], reps: int) -> list[tuple[int, str]]:
+    """(repeat, system) in the order to run them: the order flips each repeat (A B, B A, ...), so
+    that a drift of the machine's speed over the runs does not favour one system."""
+    return [(rep, s) for rep in range(reps) for s in (systems if rep % 2 == 0 else systems[::-1])]
 
 
 def render_series(entries: list[dict]) -> str:
@@ -262,6 +280,8 @@ def render_series(entries: list[dict]) -> str:
     for e in entries:
         every = "none" if e["every"] is None else f"{e['every']:g} s"
         ratio = f"{e['steps_ratio']:.3f}" if "steps_ratio" in e else "-"
+        if e.get("pair_ratios"):
+            ratio += f" ({', '.join(f'{x:.3f}' for x in e['pair_ratios'])})"
         good = {k: f"{e[k]:.1%}" if k in e else "-" for k in ("ftrt_goodput", "torchrun_goodput")}
         lines.append(f"{every:>12}{e['wall_s']:>7.0f}s{e.get('ftrt_steps', '-'):>12}{e.get('torchrun_steps', '-'):>16}"
                      f"{ratio:>8}{good['ftrt_goodput']:>14}{good['torchrun_goodput']:>18}")
@@ -284,8 +304,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="ftrt, torchrun or both (default)")
     p.add_argument("--plot", default=None, help="write a PNG here: steps and world size over time (one fault "
                    "interval), or steps trained against the fault interval (several; each timeline beside it)")
+    p.add_argument("--reps", type=int, default=1,
+                   help="runs of each system per fault interval, the order flipped each repeat (default 1); "
+                        "the series reports summed steps and each pair's ratio")
     add_job_options(p, "goodput")
     args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error(f"--reps must be 1 or more, not {args.reps}")
     systems = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
@@ -301,11 +326,12 @@ def main(argv: list[str]) -> int:
         if args.tell_mtbf and every is not None:
             job.setdefault("checkpoint.mtbf", every)
         duration = duration_for(every, args.duration, args.down)
-        for system in systems:
+        for rep, system in run_order(systems, args.reps):
             r = run_one(system, duration=duration, every=math.inf if every is None else every, down=args.down,
                         ckpt_every=args.ckpt_every, grpo=job,
                         mtbf=every if args.tell_mtbf and system == "ftrt" else None)
             r["every"] = every
+            r["rep"] = rep
             print(json.dumps({k: v for k, v in r.items() if k != "timeline"}), flush=True)
             rows.append(r)
     entries = series(rows)
@@ -314,13 +340,14 @@ def main(argv: list[str]) -> int:
         from bench.plots import goodput_png, steps_vs_interval_png
 
         plot = Path(args.plot)
+        first = [r for r in rows if r["rep"] == 0]  # the timelines of the first repeat
         if len(args.every) == 1:
-            goodput_png(rows, plot)
+            goodput_png(first, plot)
         else:
             steps_vs_interval_png(entries, plot)
             for every in args.every:
                 name = plot.with_name(f"{plot.stem}-every{'none' if every is None else f'{every:g}'}{plot.suffix}")
-                goodput_png([r for r in rows if r["every"] == every], name)
+                goodput_png([r for r in first if r["every"] == every], name)
         print(f"wrote {args.plot}")
     for every in args.every:
         print(f"\nfault every {'none' if every is None else f'{every:g} s'}:")

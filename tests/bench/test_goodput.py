@@ -85,6 +85,21 @@ def test_series_compares_steps_trained_in_the_same_wall_time():
     assert "none" in table and "1.250" in table and "60 s" in table
 
 
+def test_repeats_alternate_the_order_and_sum_the_steps_of_each_system():
+    from bench.goodput import render_series, run_order, series
+
+    assert run_order(["ftrt", "torchrun"], 3) == [(0, "ftrt"), (0, "torchrun"), (1, "torchrun"), (1, "ftrt"),
+                                                   (2, "ftrt"), (2, "torchrun")]
+    rows = [{"system": "ftrt", "every": 600.0, "rep": 0, "steps": 1100, "goodput": 0.99, "wall_s": 700},
+            {"system": "torchrun", "every": 600.0, "rep": 0, "steps": 1000, "goodput": 0.96, "wall_s": 700},
+            {"system": "torchrun", "every": 600.0, "rep": 1, "steps": 1200, "goodput": 0.96, "wall_s": 700},
+            {"system": "ftrt", "every": 600.0, "rep": 1, "steps": 1100, "goodput": 0.98, "wall_s": 700}]
+    (e,) = series(rows)
+    assert e["steps_ratio"] == 1.0 and e["pair_ratios"] == [1.1, pytest.approx(1100 / 1200, abs=1e-4)]
+    assert e["ftrt_steps"] == 1100 and e["torchrun_steps"] == 1100 and e["ftrt_goodput"] == 0.985
+    assert "(1.100, 0.917)" in render_series([e])
+
+
 def test_overhead_breakdown_charges_each_component_by_its_own_pairs():
     from bench.overhead import components
 
