@@ -221,7 +221,7 @@ class Agent:
         else:
             endpoints = cfg.etcd or ""
         if self.store is None:
-            self.store = EtcdStore(endpoints, timeout=3.0)
+            self.store = EtcdStore(endpoints, timeout=3.0, access=cfg.etcd_access)
         try:
             await self.store.get(self.keys.root, timeout=5.0)
         except StoreUnavailable as exc:
@@ -479,7 +479,7 @@ class Agent:
                 rnd, node_id=self.cfg.node_id, local_rank=local_rank, job_id=self.cfg.job_id,
                 master_addr=master_addr, master_port=master_port,
                 max_restarts=self.cfg.max_restarts, agent_addr=self.agent_addr, etcd=self.endpoints,
-                mtbf=self.cfg.mtbf,
+                etcd_access=self.cfg.etcd_access, mtbf=self.cfg.mtbf,
             )
             self.pool.assign(
                 w, local_rank=local_rank, rank=offset + local_rank, round_no=rnd.round, env=env,

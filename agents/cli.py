@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ftrt.errors import ConfigError
+from ftrt.store import access
 
 if TYPE_CHECKING:  # the config module imports pydantic; keep it off the fast start path
     from ftrt.agents.config import LaunchConfig
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--mtbf", type=float, default=None, metavar="SECONDS",
         help="mean seconds between failures to plan checkpoint cadence for (default: observed from the "
              "job's faults, or one hour while there are none)")
+    access.add_arguments(p.add_argument_group("etcd security (TLS and auth)"))
     add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None, help=argparse.SUPPRESS)
     add("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=None, help=argparse.SUPPRESS)
     add("-m", "--module", dest="is_module", action="store_true", help="run TARGET as a module (python -m)")
@@ -119,7 +121,7 @@ def config_from_namespace(ns: argparse.Namespace) -> "LaunchConfig":
         first_round_wait=ns.first_round_wait, stop_grace=ns.stop_grace,
         restart_grace=ns.restart_grace, warm_workers=ns.warm_workers,
         exit_barrier_timeout=ns.exit_barrier_timeout, replica_interval=ns.replica_interval,
-        mtbf=ns.mtbf, script_args=tuple(ns.args),
+        mtbf=ns.mtbf, script_args=tuple(ns.args), etcd_access=access.from_args(ns),
     )
     if ns.is_module:
         values["module"] = ns.target

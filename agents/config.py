@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ftrt.agents.keys import check_id
 from ftrt.agents.workers import DEFAULT_WARM_IMPORTS, warm_imports_for
 from ftrt.errors import ConfigError
+from ftrt.store.access import EtcdAccess
 
 
 class LaunchConfig(BaseModel):
@@ -24,7 +25,13 @@ class LaunchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     standalone: bool = Field(False, description="Start an embedded etcd for this job (single node).")
-    etcd: Optional[str] = Field(None, description="etcd endpoints, HOST:PORT[,HOST:PORT...].")
+    etcd: Optional[str] = Field(None, description="etcd endpoints, HOST:PORT[,HOST:PORT...] "
+                                "(https://HOST:PORT for TLS).")
+    etcd_access: EtcdAccess = Field(
+        default_factory=EtcdAccess,
+        description="TLS files and user for etcd (--etcd-cacert/--etcd-cert/--etcd-key/--etcd-user); "
+        "the agent's workers get the same through the environment.",
+    )
     job_id: str = Field("default", description="Job id; every agent of a job uses the same one.")
     min_nodes: int = Field(1, ge=1, description="Fewest nodes the job runs with (--nnodes MIN).")
     max_nodes: int = Field(1, ge=1, description="Most nodes the job runs with (--nnodes :MAX).")
@@ -117,6 +124,9 @@ class LaunchConfig(BaseModel):
             raise ValueError("--standalone starts its own etcd; do not also pass --etcd")
         if not self.standalone and not self.etcd:
             raise ValueError("pass --etcd HOST:PORT[,HOST:PORT...] or --standalone")
+        if self.standalone and self.etcd_access.secured:
+            raise ValueError("--standalone starts a local etcd without TLS or users; the --etcd-* access "
+                             "flags are for a given --etcd")
         if self.script is not None and not os.path.isfile(self.script):
             raise ValueError(f"the script {self.script!r} does not exist (looked in {os.getcwd()})")
         return self

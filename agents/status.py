@@ -15,14 +15,17 @@ import time
 from ftrt.agents.events import recent_events
 from ftrt.agents.keys import JobKeys, check_id
 from ftrt.agents.records import DeciderRecord, JobState, NodeRecord, RoundRecord, decode
+from ftrt.store import access as etcd_access
+from ftrt.store.access import EtcdAccess
 from ftrt.store.api import Get
 from ftrt.store.etcd import EtcdStore
 
 
-async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout: float = 3.0) -> dict:
+async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout: float = 3.0,
+                         access: EtcdAccess = EtcdAccess()) -> dict:
     """Gather a job's status as a plain dict."""
     keys = JobKeys(job_id)
-    store = EtcdStore(endpoints, timeout=timeout)
+    store = EtcdStore(endpoints, timeout=timeout, access=access)
     try:
         res = await store.txn([], [Get(keys.nodes, prefix=True), Get(keys.rdzv, prefix=True)])
         nodes: dict[str, NodeRecord] = {}
@@ -137,8 +140,9 @@ def status_main(argv: list[str]) -> int:
     p.add_argument("--job-id", "--rdzv-id", dest="job_id", required=True, help="the job's id")
     p.add_argument("--events", type=int, default=10, help="how many recent events to show (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    etcd_access.add_arguments(p.add_argument_group("etcd security (TLS and auth)"))
     args = p.parse_args(argv)
     check_id("job id", args.job_id)
-    st = asyncio.run(collect_status(args.etcd, args.job_id, args.events))
+    st = asyncio.run(collect_status(args.etcd, args.job_id, args.events, access=etcd_access.from_args(args)))
     print(json.dumps(st, indent=2) if args.json else render(st))
     return 0

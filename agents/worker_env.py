@@ -9,6 +9,7 @@ torchrun does with its agent store.
 from __future__ import annotations
 
 from ftrt.agents.records import RoundRecord
+from ftrt.store.access import EtcdAccess
 
 
 def worker_env(
@@ -22,9 +23,13 @@ def worker_env(
     max_restarts: int,
     agent_addr: str,
     etcd: str = "",
+    etcd_access: EtcdAccess = EtcdAccess(),
     mtbf: float | None = None,
 ) -> dict[str, str]:
-    """Variables for one worker of ``node_id`` in round ``rnd`` (which must include the node)."""
+    """Variables for one worker of ``node_id`` in round ``rnd`` (which must include the node).
+
+    ``etcd_access`` reaches the worker as its ``FTRT_ETCD_*`` variables (file paths, never a
+    password: one from ``FTRT_ETCD_PASSWORD`` is inherited with the agent's environment)."""
     member = rnd.member(node_id)
     if member is None:
         raise ValueError(f"node {node_id!r} is not a member of round {rnd.round}")
@@ -57,4 +62,5 @@ def worker_env(
         "FTRT_FAULTS": str(rnd.faults),
         "FTRT_JOB_STARTED": repr(rnd.job_started or rnd.created),
         "FTRT_MTBF": "" if mtbf is None else repr(float(mtbf)),
+        **etcd_access.env(),
     }

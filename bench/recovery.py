@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from ftrt.chaos.local import LocalNode, StepLog, wait_until
+from ftrt.store.certs import tls_dir
 from ftrt.store.etcd_server import EtcdServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +52,7 @@ class Cluster:
 
     def __init__(self, system: str, work: Path, *, nnodes: str = "2:3", torchrun_conf: str = TORCHRUN_BEST,
                  workload: str = "ddp", max_restarts: int = 10, launch_extra: tuple[str, ...] = (),
-                 env_extra: dict[str, str] | None = None):
+                 env_extra: dict[str, str] | None = None, etcd_tls_auth: bool = False):
         self.system = system
         self.launch_extra = list(launch_extra)  # more ``ftrt launch`` options (ftrt only)
         self.max_restarts = max_restarts
@@ -69,7 +70,11 @@ class Cluster:
             self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         self._etcd: EtcdServer | None = None
         if system == "ftrt":
-            self._etcd = EtcdServer(name="bench", unsafe_no_fsync=True).start()
+            # etcd_tls_auth: TLS with client certificates and etcd's auth on, as production runs it.
+            self._etcd = EtcdServer(name="bench", unsafe_no_fsync=True,
+                                    tls=tls_dir(work / "tls") if etcd_tls_auth else None).start()
+            if etcd_tls_auth:
+                self.launch_extra += self._etcd.secure_access(work, "bench").flags()
         else:
             self._port = free_port()
 
@@ -84,7 +89,7 @@ class Cluster:
     def add(self, node_id: str, script: list[str]) -> LocalNode:
         if self.system == "ftrt":
             node = LocalNode(self.work, node_id, [
-                "--etcd", self._etcd.endpoint, "--job-id", "bench", "--nnodes", self.nnodes,
+                "--etcd", self._etcd.url, "--job-id", "bench", "--nnodes", self.nnodes,
                 "--lease-ttl", "2", "--max-restarts", str(self.max_restarts),
                 # The plain workload never imports torch._dynamo, so spares need not either.
                 *(["--warm-import", "torch", "--warm-import", "torch.distributed"] if self.workload == "plain" else []),
@@ -145,7 +150,8 @@ def _train(c: Cluster, names: list[str], steps: int) -> None:
 def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, workload: str = "ddp") -> dict:
     """Run one scenario once on a fresh cluster; return its measurements (seconds)."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-{system}-{scenario}-"))
-    c = Cluster(system, work, torchrun_conf=torchrun_conf, workload=workload)
+    c = Cluster("ftrt" if system == "ftrt-tls" else system, work, torchrun_conf=torchrun_conf, workload=workload,
+                etcd_tls_auth=system == "ftrt-tls")
     result: dict = {"system": system, "scenario": scenario, "workload": workload}
     try:
         if scenario in ("node_loss", "node_loss_rank0", "node_freeze"):
@@ -216,16 +222,16 @@ def _longest_pause(log: StepLog, t0: float, t1: float) -> float:
 
 
 def run(reps: int = 3, scenarios: tuple[str, ...] = SCENARIOS, torchrun_defaults: bool = True,
-        workload: str = "ddp") -> dict:
+        workload: str = "ddp", systems: tuple[str, ...] = ("ftrt", "torchrun")) -> dict:
     rows = []
     for scenario in scenarios:
-        for system in ("ftrt", "torchrun"):
+        for system in systems:
             for rep in range(reps):
                 r = measure(system, scenario, workload=workload)
                 r["rep"] = rep
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-    if torchrun_defaults:
+    if torchrun_defaults and "torchrun" in systems:
         r = measure("torchrun", "node_loss", torchrun_conf="", workload=workload)
         r.update(rep=0, settings="defaults")
         rows.append(r)
@@ -237,7 +243,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for scenario in dict.fromkeys(r["scenario"] for r in rows):
         entry: dict = {"scenario": scenario}
-        for system in ("ftrt", "torchrun"):
+        for system in dict.fromkeys(r["system"] for r in rows):
             vals = [r["recovery_s"] for r in rows
                     if r["scenario"] == scenario and r["system"] == system and "settings" not in r]
             ok = [v for v in vals if v is not None]
@@ -249,8 +255,11 @@ def summarize(rows: list[dict]) -> list[dict]:
             pauses = [r["pause_s"] for r in rows if r["scenario"] == scenario and r["system"] == system and "pause_s" in r]
             if pauses:
                 entry[system]["median_pause_s"] = round(statistics.median(pauses), 3)
-        f, t = entry["ftrt"]["median_s"], entry["torchrun"]["median_s"]
+        f, t = entry.get("ftrt", {}).get("median_s"), entry.get("torchrun", {}).get("median_s")
         entry["speedup"] = round(t / f, 1) if f and t else None
+        s = entry.get("ftrt-tls", {}).get("median_s")
+        if f and s:
+            entry["tls_ratio"] = round(s / f, 3)  # ftrt with etcd over TLS and auth, over without
         out.append(entry)
     defaults = [r for r in rows if r.get("settings") == "defaults"]
     if defaults:
@@ -272,7 +281,11 @@ def render(summary: list[dict]) -> str:
         ratio = f"{e['speedup']}x" if e.get("speedup") else ""
         lines.append(f"{e['scenario']:<32}{fmt(f.get('median_s')) if f else '':>12}{fr:>16}"
                      f"{fmt(t.get('median_s')):>17}{tr:>18}{ratio:>8}")
-        for sysname, d in (("ftrt", f), ("torchrun", t)):
+        s = e.get("ftrt-tls", {})
+        if s.get("median_s") is not None:
+            lines.append(f"{'':<4}ftrt with etcd over TLS + auth: {fmt(s['median_s'])} "
+                         f"({fmt(s['min_s'])}-{fmt(s['max_s'])}), {e.get('tls_ratio', '-')}x ftrt without")
+        for sysname, d in (("ftrt", f), ("ftrt-tls", s), ("torchrun", t)):
             if d.get("median_pause_s") is not None:
                 lines.append(f"{'':<4}{sysname} running ranks' longest pause: {d['median_pause_s']:.2f} s (median)")
             if d.get("no_recovery"):
@@ -289,10 +302,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-torchrun-defaults", dest="defaults", action="store_false")
     p.add_argument("--workload", choices=("ddp", "plain"), default="ddp",
                    help="ddp: DDP + SGD (imports torch._dynamo); plain: hand-written all-reduce, no dynamo")
+    p.add_argument("--systems", default="ftrt,torchrun",
+                   help="comma-separated, of ftrt, ftrt-tls (etcd over TLS with client certificates and auth) "
+                        "and torchrun (default ftrt,torchrun)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
+    systems = tuple(s for s in args.systems.split(",") if s)
+    if not systems or set(systems) - {"ftrt", "ftrt-tls", "torchrun"}:
+        p.error(f"--systems {args.systems!r}: choose from ftrt, ftrt-tls, torchrun")
     t0 = time.time()
-    res = run(args.reps, tuple(args.scenario or SCENARIOS), args.defaults, args.workload)
+    res = run(args.reps, tuple(args.scenario or SCENARIOS), args.defaults, args.workload, systems)
     res.update(
         date=time.strftime("%Y-%m-%d %H:%M"), machine=f"{os.cpu_count()} cores",
         command="python -m bench recovery " + " ".join(argv), wall_s=round(time.time() - t0),

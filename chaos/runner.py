@@ -86,17 +86,28 @@ class ChaosRun:
 
     # -- cluster -----------------------------------------------------------------------------
     def _start_etcd(self, host: str):
+        """The run's etcd and the access its clients need (None: plaintext without users)."""
+        from ftrt.store.certs import tls_dir
         from ftrt.store.etcd_server import EtcdCluster, EtcdServer
 
+        security = self.sc.cluster.etcd_security
+        tls = tls_dir(self.work / "tls") if security != "none" else None
         if self.sc.cluster.etcd_members == 3:
-            return EtcdCluster(3, host=host, unsafe_no_fsync=True).start()
-        return EtcdServer(name="chaos", host=host, unsafe_no_fsync=True, log_path=str(self.work / "etcd.log")).start()
+            etcd = EtcdCluster(3, host=host, unsafe_no_fsync=True, tls=tls).start()
+            member = etcd.members[0]
+        else:
+            etcd = member = EtcdServer(name="chaos", host=host, unsafe_no_fsync=True, tls=tls,
+                                       log_path=str(self.work / "etcd.log")).start()
+        if security == "none":
+            return etcd, None
+        return etcd, member.secure_access(self.work, "chaos" if security == "tls+auth" else None)
 
-    def _launch_args(self, endpoints: str, job_id: str, run: str, max_nodes: int, ckpt: dict) -> list[str]:
+    def _launch_args(self, endpoints: str, job_id: str, run: str, max_nodes: int, ckpt: dict,
+                     access=None) -> list[str]:
         c = self.sc.cluster
         grpo = {**self.sc.job.grpo, "steps": self.sc.steps, "progress": "none", "seed": self.seed,
                 "metrics_path": str(self.work / f"{run}-metrics.jsonl"), **ckpt}
-        return ["--etcd", endpoints, "--job-id", job_id, "--nnodes", f"{c.min_nodes or 1}:{max_nodes}",
+        return ["--etcd", endpoints, *(access.flags() if access else []), "--job-id", job_id, "--nnodes", f"{c.min_nodes or 1}:{max_nodes}",
                 "--nproc-per-node", str(c.workers_per_node), "--lease-ttl", str(c.lease_ttl),
                 "--hang-timeout", str(c.hang_timeout), "--first-round-wait", "5",
                 *(["--mtbf", f"{mtbf:g}"] if (mtbf := self.sc.agent_mtbf()) is not None else []), "-m", "ftrt.grpo",
@@ -117,9 +128,9 @@ class ChaosRun:
         with contextlib.ExitStack() as stack:
             lab = stack.enter_context(NetLab(max_nodes, self.rng)) if sc.cluster.netns else None
             host = lab.host_ip if lab else "127.0.0.1"
-            etcd = self._start_etcd(host)
+            etcd, access = self._start_etcd(host)
             stack.callback(etcd.stop)
-            endpoints = getattr(etcd, "endpoints", None) or etcd.endpoint
+            endpoints = getattr(etcd, "urls" if access else "endpoints", None) or (etcd.url if access else etcd.endpoint)
             proxy, ckpt, verify_opts = None, {"checkpoint.url": str(self.work / f"{run}-ckpt")}, None
             if sc.cluster.storage == "s3":
                 s3 = stack.enter_context(MotoS3())
@@ -129,7 +140,7 @@ class ChaosRun:
                         "checkpoint.storage_options": s3.storage_options(f"http://{proxy.endpoint}")}
                 verify_opts = s3.storage_options()
             job_id = f"chaos-{run}"
-            args = self._launch_args(endpoints, job_id, run, max_nodes, ckpt)
+            args = self._launch_args(endpoints, job_id, run, max_nodes, ckpt, access)
             metrics = self.work / f"{run}-metrics.jsonl"
 
             def start_node(name: str) -> LocalNode:
@@ -146,10 +157,10 @@ class ChaosRun:
             for i in range(sc.cluster.nodes):
                 nodes[f"node{i}"] = start_node(f"node{i}")
             ctx = Context(nodes, etcd, endpoints, job_id, self.work / f"{run}-ckpt", self.rng, start_node,
-                          lab=lab, storage_proxy=proxy)
+                          lab=lab, storage_proxy=proxy, etcd_access=access)
             self._drive(ctx, faults, metrics, deadline, res)
             res.codes = {n: node.proc.poll() for n, node in nodes.items() if n not in ctx.killed}
-            res.stale = asyncio.run(_leased_keys(endpoints, job_id))
+            res.stale = asyncio.run(_leased_keys(endpoints, job_id, access))
             res.ctx = ctx
             if with_faults:
                 res.checkpoints = _verify_checkpoints(ckpt["checkpoint.url"], verify_opts, ctx.corrupted_steps)
@@ -370,10 +381,11 @@ def _alive(pids: set[int]) -> list[int]:
     return out
 
 
-async def _leased_keys(endpoints: str, job_id: str) -> list[str]:
+async def _leased_keys(endpoints: str, job_id: str, access=None) -> list[str]:
+    from ftrt.store.access import EtcdAccess
     from ftrt.store.etcd import EtcdStore
 
-    store = EtcdStore(endpoints, timeout=3.0)
+    store = EtcdStore(endpoints, timeout=3.0, access=access or EtcdAccess())
     try:
         kvs, _ = await store.get_prefix(f"/ftrt/{job_id}/")
         return [kv.key for kv in kvs if kv.lease]

@@ -60,6 +60,10 @@ class Cluster(_Strict):
                         "needed by partition_node; scenarios are skipped with a reason elsewhere)")
     storage: Literal["local", "s3"] = Field("local", description="where checkpoints go: a local "
                                             "folder, or S3 (moto's server behind a TCP proxy; needed by storage_*)")
+    etcd_security: Literal["none", "tls", "tls+auth"] = Field(
+        "none", description="etcd serves clients over TLS with client certificates (a CA made for the run), "
+        "and with tls+auth also requires a user and password; the agents get --etcd https://... and the "
+        "--etcd-* access flags, as on a production cluster")
 
 
 class Job(_Strict):

@@ -18,15 +18,18 @@ import time
 from ftrt.agents.keys import JobKeys
 from ftrt.agents.records import RoundRecord, decode
 from ftrt.errors import RoundChanged
+from ftrt.store.access import EtcdAccess
 from ftrt.store.api import Compare, Put
 from ftrt.store.etcd import EtcdStore
 
 
 class LatestPointer:
-    """Read and move one job's ``latest`` pointer."""
+    """Read and move one job's ``latest`` pointer (``access``: the agent's etcd credentials)."""
 
-    def __init__(self, endpoints: str, job_id: str, round_no: int, url: str, timeout: float = 5.0) -> None:
+    def __init__(self, endpoints: str, job_id: str, round_no: int, url: str, timeout: float = 5.0,
+                 access: EtcdAccess = EtcdAccess()) -> None:
         self.endpoints = endpoints
+        self.access = access
         self.keys = JobKeys(job_id)
         self.round_no = round_no
         self.url = url
@@ -38,7 +41,7 @@ class LatestPointer:
 
     def _run(self, coro_fn):
         async def go():
-            store = EtcdStore(self.endpoints, timeout=self.timeout)
+            store = EtcdStore(self.endpoints, timeout=self.timeout, access=self.access)
             try:
                 return await coro_fn(store)
             finally:

@@ -148,8 +148,9 @@ class Runtime:
         etcd = os.environ.get("FTRT_ETCD", "")
         if self.launched_by_ftrt and etcd:
             from ftrt.checkpoint.pointer import LatestPointer
+            from ftrt.store.access import from_env
 
-            ptr = LatestPointer(etcd, self.job_id, self.round, url)
+            ptr = LatestPointer(etcd, self.job_id, self.round, url, access=from_env())
             kwargs.setdefault("pre_commit", ptr.check_round)
             kwargs.setdefault("on_commit", ptr.commit)
             kwargs.setdefault("latest_limit", ptr.latest)

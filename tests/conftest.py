@@ -26,6 +26,30 @@ def etcd_endpoint(etcd_server) -> str:
     return etcd_server.endpoint
 
 
+SECURE_USER, SECURE_PASSWORD = "job", "job-password"
+
+
+@pytest.fixture(scope="session")
+def etcd_secure(tmp_path_factory):
+    """One etcd member with TLS, client certificates and auth on (user ``job`` may read and write
+    ``/ftrt/``), its certificates made for the session. Tokens expire after 1 s unused, so a test
+    that waits sees etcd refuse a stale one."""
+    from ftrt.store.certs import tls_dir
+
+    server = EtcdServer(name="secure-etcd", unsafe_no_fsync=True, tls=tls_dir(tmp_path_factory.mktemp("tls")),
+                        extra_args=("--auth-token-ttl", "1"))
+    server.start()
+    server.enable_auth("root-password", {SECURE_USER: SECURE_PASSWORD})
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd_secure_access(etcd_secure):
+    """The credentials of user ``job`` on :func:`etcd_secure` (CA, client certificate, password)."""
+    return etcd_secure.access(user=SECURE_USER, password=SECURE_PASSWORD)
+
+
 @pytest.fixture
 def own_etcd():
     """A private etcd member a test may kill or restart."""

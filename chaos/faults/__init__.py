@@ -30,11 +30,16 @@ class Context:
     killed: set[str] = field(default_factory=set)  # nodes whose agent a fault SIGKILLed (and not restarted)
     lab: Any = None  # ftrt.chaos.netns.NetLab when the nodes have their own network namespaces
     storage_proxy: Any = None  # ftrt.chaos.proxy.TcpProxy in front of S3 when checkpoints go there
+    etcd_access: Any = None  # ftrt.store.access.EtcdAccess when etcd runs with TLS or auth
     busy: set[str] = field(default_factory=set)  # nodes a lasting fault (freeze, partition, down) holds now
 
     @staticmethod
     def node_index(node_id: str) -> int:
         return int(node_id.removeprefix("node"))
+
+    def status_access(self) -> dict:
+        """Keyword arguments that give a status query this cluster's etcd credentials."""
+        return {"access": self.etcd_access} if self.etcd_access is not None else {}
 
     def alive_nodes(self) -> list[str]:
         return sorted(n for n, node in self.nodes.items() if node.alive())

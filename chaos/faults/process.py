@@ -13,7 +13,7 @@ def _worker_of(ctx: Context, target: str) -> tuple[str, int, int]:
     """(node, rank, pid) of a running worker on ``target`` (``random``: on a node that has one)."""
     from ftrt.agents.status import collect_status
 
-    st = asyncio.run(collect_status(ctx.etcd_endpoints, ctx.job_id, events=0))
+    st = asyncio.run(collect_status(ctx.etcd_endpoints, ctx.job_id, events=0, **ctx.status_access()))
     running = {n: [w for w in ws if w.get("state") == "running" and w.get("pid") and w.get("rank", -1) >= 0]
                for n, ws in st["workers"].items()}
     node = ctx.pick_node(target, among=[n for n, ws in running.items() if ws])

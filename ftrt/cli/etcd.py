@@ -2,15 +2,25 @@
 
 For trying a multi-node job on one machine: start ``ftrt etcd --port 2379`` in one terminal, then
 ``ftrt launch --etcd 127.0.0.1:2379 --node-id n0 ...`` in others.
+
+``--tls DIR`` serves clients over TLS and requires client certificates, with a CA and
+certificates made in DIR if it has none (:mod:`ftrt.store.certs`); ``--auth-user NAME`` also
+turns etcd's auth on, with NAME allowed to read and write ``/ftrt/``. The command prints the
+``--etcd*`` flags an agent then needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import signal
 import sys
 import time
+from pathlib import Path
 
+from ftrt.errors import ConfigError
+from ftrt.store.access import ENV_PASSWORD
 from ftrt.store.etcd_server import EtcdServer
 
 
@@ -22,10 +32,40 @@ def etcd_main(argv: list[str]) -> int:
     parser.add_argument("--peer-port", type=int, default=0, help="peer port (default: a free one)")
     parser.add_argument("--name", default="ftrt-etcd", help="member name")
     parser.add_argument("--etcd-bin", default=None, help="etcd binary (default: the bundled one, then PATH)")
+    parser.add_argument("--tls", default=None, metavar="DIR",
+                        help="serve clients over TLS with client certificates; makes a CA and certificates in "
+                             "DIR unless it has them")
+    parser.add_argument("--auth-user", default=None, metavar="NAME",
+                        help=f"turn etcd's auth on with this user (read and write on /ftrt/); its password comes "
+                             f"from ${ENV_PASSWORD} or --password-file (root's is written to DIR/root-password)")
+    parser.add_argument("--password-file", default=None, metavar="FILE", help="file with --auth-user's password")
     args = parser.parse_args(argv)
+    if args.auth_user and not args.tls:
+        raise ConfigError("--auth-user needs --tls DIR: etcd's passwords must not cross the network in plaintext.")
+    if args.auth_user and args.data_dir and Path(args.data_dir).exists() and any(Path(args.data_dir).iterdir()):
+        raise ConfigError(f"--auth-user sets up users in a new etcd, but --data-dir {args.data_dir} holds one "
+                          "already (with whatever users it has); give an empty or new folder.")
+    password = ""
+    if args.auth_user:
+        if args.password_file:
+            lines = Path(args.password_file).read_text().splitlines() if Path(args.password_file).is_file() else []
+            password = lines[0] if lines else ""
+            if not password:
+                raise ConfigError(f"--password-file {args.password_file} is missing or empty; put the password "
+                                  "on its first line.")
+        else:
+            password = os.environ.get(ENV_PASSWORD, "")
+            if not password:
+                raise ConfigError(f"--auth-user {args.auth_user} needs a password: set {ENV_PASSWORD} or pass "
+                                  "--password-file FILE.")
+    tls = None
+    if args.tls:
+        from ftrt.store.certs import tls_dir
+
+        tls = tls_dir(args.tls)
     server = EtcdServer(
         name=args.name, data_dir=args.data_dir, host=args.host, client_port=args.port,
-        peer_port=args.peer_port, binary=args.etcd_bin,
+        peer_port=args.peer_port, binary=args.etcd_bin, tls=tls,
     )
     stop = False
 
@@ -37,8 +77,20 @@ def etcd_main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     server.start()
-    print(f"etcd is serving on {server.endpoint} (data in {server.data_dir}); Ctrl-C stops it.", flush=True)
     try:
+        if args.auth_user:
+            root = secrets.token_urlsafe(24)
+            path = Path(args.tls) / "root-password"
+            path.write_text(root + "\n")
+            path.chmod(0o600)
+            server.enable_auth(root, {args.auth_user: password})
+        print(f"etcd is serving on {server.url} (data in {server.data_dir}); Ctrl-C stops it.", flush=True)
+        if tls is not None:
+            flags = [f"--etcd {server.url}", f"--etcd-cacert {tls.ca}", f"--etcd-cert {tls.client_cert()}",
+                     f"--etcd-key {tls.client_key()}"]
+            if args.auth_user:
+                flags.append(f"--etcd-user {args.auth_user} (password from ${ENV_PASSWORD} or --etcd-password-file)")
+            print("agents connect with: " + " ".join(flags), flush=True)
         while not stop and server.alive():
             time.sleep(0.2)
     except KeyboardInterrupt:

@@ -19,6 +19,13 @@ Failure handling:
 - Watches run on their own stream per watch with ``hasleader`` set (a member cut off from the
   quorum ends the stream instead of going silent) and progress notifications; when the stream
   breaks they re-watch from the revision after the last one delivered, so no event is lost.
+
+Security (:class:`~ftrt.store.access.EtcdAccess`): with TLS the channel verifies etcd's
+certificate against the given CA (by the host name of the first endpoint) and presents the
+client certificate when one is given. With a user, the store authenticates once, sends etcd's
+token with every call and stream, and authenticates again when etcd says the token expired. A
+failed handshake or a refused user is a :class:`~ftrt.errors.ConfigError` at once, not a retry
+until the deadline: no waiting fixes a wrong CA or password.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import grpc.aio
 from aetcd import rpc
 
 from ftrt.errors import ConfigError, LeaseLost, StoreError, StoreUnavailable, WatchCompacted
+from ftrt.store.access import ENV_PASSWORD, EtcdAccess
 from ftrt.store.api import Compare, Delete, Get, KeyValue, Lease, Op, Put, TxnResult, WatchEvent
 
 log = logging.getLogger(__name__)
@@ -46,6 +54,10 @@ _TRANSIENT = {
     grpc.StatusCode.INTERNAL,  # "RST_STREAM" when a member dies mid-call
 }
 _LEASE_NOT_FOUND = "requested lease not found"
+_TOKEN_EXPIRED = ("invalid auth token", "auth token")  # etcd's words for an expired or unknown token
+_AUTH_NOT_ENABLED = "authentication is not enabled"
+_HANDSHAKE = ("handshake", "CERTIFICATE_VERIFY_FAILED", "certificate verify failed", "WRONG_VERSION_NUMBER",
+              "tlsv1 alert", "alert certificate", "SSL_ERROR")
 _COMPARE_RESULT = {
     "==": rpc.Compare.EQUAL,
     "!=": rpc.Compare.NOT_EQUAL,
@@ -61,10 +73,21 @@ _COMPARE_TARGET = {
 }
 
 
+def endpoints_use_tls(spec: str | Sequence[str]) -> bool:
+    """Whether the endpoints are written ``https://`` (all of them or none; a mix is an error)."""
+    items = [x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if x.strip()]
+    secure = [x.startswith("https://") for x in items]
+    if any(secure) and not all(secure):
+        raise ConfigError(f"The etcd endpoints {','.join(items)!r} mix https:// and plain ones; one cluster "
+                          "speaks TLS on every member or on none, so write them all alike.")
+    return bool(secure) and all(secure)
+
+
 def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
     """Parse ``"host:port,host:port"`` (or a list of ``host:port``) into (host, port) pairs.
 
-    An ``http://`` prefix is accepted and ignored (etcd prints its endpoints that way).
+    An ``http://`` or ``https://`` prefix is accepted (etcd prints its endpoints that way);
+    :func:`endpoints_use_tls` tells which it was.
     """
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     out: list[tuple[str, int]] = []
@@ -138,6 +161,8 @@ class EtcdStore:
         endpoints: ``"host:port[,host:port...]"`` or a list of ``"host:port"``.
         timeout: default deadline of one call, in seconds.
         attempt_timeout: longest single attempt inside a call's deadline.
+        access: TLS files and etcd user (see :mod:`ftrt.store.access`); ``https://`` endpoints
+            turn TLS on with the system's CA roots when no CA file is given.
     """
 
     def __init__(
@@ -146,14 +171,18 @@ class EtcdStore:
         *,
         timeout: float = 3.0,
         attempt_timeout: float = 1.0,
+        access: EtcdAccess = EtcdAccess(),
     ) -> None:
         self.endpoints = parse_endpoints(endpoints)
+        self.access = access.with_tls(endpoints_use_tls(endpoints))
         self.timeout = timeout
         self.attempt_timeout = attempt_timeout
         self._target = _grpc_target(self.endpoints)
         self._channel: grpc.aio.Channel | None = None
         self._closed = False
         self._watch_calls: set = set()
+        self._token = ""  # etcd's auth token, when access names a user; "" until the first call
+        self._auth_lock = asyncio.Lock()
 
     def __repr__(self) -> str:
         eps = ",".join(f"{h}:{p}" for h, p in self.endpoints)
@@ -169,9 +198,7 @@ class EtcdStore:
         if self._closed:
             raise StoreUnavailable(f"The etcd store for {self.endpoint_text} is closed.")
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(
-                self._target,
-                options=[
+            options = [
                     ("grpc.lb_policy_name", "round_robin"),
                     ("grpc.initial_reconnect_backoff_ms", 50),
                     ("grpc.min_reconnect_backoff_ms", 50),
@@ -181,42 +208,126 @@ class EtcdStore:
                     ("grpc.keepalive_timeout_ms", 2000),
                     ("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.enable_retries", 0),
-                ],
-            )
+            ]
+            if self.access.uses_tls:
+                # The target names members by address; their certificates name the host the user wrote.
+                options.append(("grpc.ssl_target_name_override", self.endpoints[0][0]))
+                self._channel = grpc.aio.secure_channel(self._target, self.access.channel_credentials(),
+                                                        options=options)
+            else:
+                self._channel = grpc.aio.insecure_channel(self._target, options=options)
+            self._auth_stub = rpc.AuthStub(self._channel)
             self._kv_stub = rpc.KVStub(self._channel)
             self._lease_stub = rpc.LeaseStub(self._channel)
             self._watch_stub = rpc.WatchStub(self._channel)
             self._maint_stub = rpc.MaintenanceStub(self._channel)
         return self._channel
 
+    async def _metadata(self, deadline: float, stale: str = "") -> tuple[tuple[str, str], ...]:
+        """The call metadata: etcd's auth token when a user is configured (fetched on first use,
+        and again when ``stale`` is the token etcd just refused). Opens the channel."""
+        self._chan()
+        if not self.access.user:
+            return ()
+        async with self._auth_lock:
+            if not self._token or self._token == stale:
+                self._token = await self._authenticate(deadline)
+        return (("token", self._token),) if self._token != "-" else ()
+
+    async def _authenticate(self, deadline: float) -> str:
+        """etcd's token for the configured user ("-" when etcd has auth off: calls go without one)."""
+        req = rpc.AuthenticateRequest(name=self.access.user, password=self.access.secret())
+        delay = 0.02
+        while True:
+            self._chan()
+            remaining = deadline - time.monotonic()
+            try:
+                resp = await self._auth_stub.Authenticate(req, timeout=max(0.01, min(remaining, self.attempt_timeout)))
+                return resp.token
+            except grpc.aio.AioRpcError as exc:
+                details = exc.details() or ""
+                if _AUTH_NOT_ENABLED in details:
+                    log.warning("etcd at %s has auth disabled; --etcd-user %r is not needed and is not used",
+                                self.endpoint_text, self.access.user)
+                    return "-"
+                self._check_handshake(exc)
+                if exc.code() not in _TRANSIENT:
+                    raise ConfigError(
+                        f"etcd at {self.endpoint_text} refused user {self.access.user!r} ({details}); check "
+                        f"--etcd-user and the password ({ENV_PASSWORD} or --etcd-password-file)."
+                    ) from exc
+                if time.monotonic() + delay >= deadline:
+                    raise StoreUnavailable(
+                        f"etcd at {self.endpoint_text} did not authenticate user {self.access.user!r} in time "
+                        f"(last error: {exc.code().name}: {details}). Check that etcd is running and reachable."
+                    ) from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+
+    def _check_handshake(self, exc: grpc.aio.AioRpcError) -> None:
+        """Raise a :class:`ConfigError` when ``exc`` is a failed TLS handshake (or plaintext
+        meeting TLS): a wrong CA, a server certificate for another name, a missing client
+        certificate. Waiting does not fix those."""
+        details = exc.details() or ""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or not any(m in details for m in _HANDSHAKE):
+            return
+        if self.access.uses_tls:
+            hint = (f"check that --etcd-cacert {self.access.cacert or '(system roots)'} is the CA that signed "
+                    f"etcd's certificate, that the certificate names {self.endpoints[0][0]!r}, that etcd serves "
+                    "TLS on this port, and that a client certificate (--etcd-cert/--etcd-key) is given if "
+                    "etcd requires one")
+        else:
+            hint = "etcd serves TLS on this port: write the endpoints https://HOST:PORT or pass --etcd-cacert"
+        raise ConfigError(f"The TLS handshake with etcd at {self.endpoint_text} failed ({details.strip()}); "
+                          f"{hint}.") from exc
+
     async def _unary(self, what: str, method_name: str, stub_name: str, request, timeout):
         """Run one unary RPC with retries of transient failures until the deadline."""
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
         delay = 0.02
+        stale = ""
         while True:
-            self._chan()
+            metadata = await self._metadata(deadline, stale)
             method = getattr(getattr(self, stub_name), method_name)
             remaining = deadline - time.monotonic()
             try:
-                return await method(request, timeout=max(0.01, min(remaining, self.attempt_timeout)))
+                return await method(request, timeout=max(0.01, min(remaining, self.attempt_timeout)),
+                                    metadata=metadata)
             except grpc.aio.AioRpcError as exc:
+                if self._token_refused(exc) and time.monotonic() < deadline:
+                    stale = self._token  # expired (etcd's --auth-token-ttl): authenticate again
+                    continue
+                self._check_handshake(exc)
                 if exc.code() not in _TRANSIENT:
                     raise self._translate(exc, what) from exc
                 if time.monotonic() + delay >= deadline:
                     raise StoreUnavailable(
                         f"etcd at {self.endpoint_text} did not complete {what} within "
                         f"{budget:.1f} s (last error: {exc.code().name}: {exc.details()}). "
-                        "Check that etcd is running and reachable."
+                        "Check that etcd is running and reachable"
+                        f"{'' if self.access.uses_tls else ', and if it serves TLS write https:// endpoints'}."
                     ) from exc
                 log.debug("etcd %s failed (%s); retrying in %.2f s", what, exc.code().name, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.2)
 
+    def _token_refused(self, exc: grpc.aio.AioRpcError) -> bool:
+        details = exc.details() or ""
+        return bool(self.access.user) and exc.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                                                         grpc.StatusCode.INVALID_ARGUMENT) \
+            and any(m in details for m in _TOKEN_EXPIRED)
+
     def _translate(self, exc: grpc.aio.AioRpcError, what: str) -> StoreError:
         details = exc.details() or ""
         if _LEASE_NOT_FOUND in details:
             return LeaseLost(f"etcd refused {what}: the lease does not exist (expired or revoked).")
+        if exc.code() == grpc.StatusCode.PERMISSION_DENIED or "user name is empty" in details:
+            who = (f"user {self.access.user!r}" if self.access.user else
+                   "a client without --etcd-user (under TLS etcd takes the client certificate's common name as "
+                   "the user)")
+            return StoreError(f"etcd refused {what} to {who}: {details}. Grant the user's role read and write on "
+                              "the prefix /ftrt/ (etcdctl role grant-permission --prefix ROLE readwrite /ftrt/).")
         return StoreError(f"etcd refused {what}: {exc.code().name}: {details}.")
 
     # -- key-value ------------------------------------------------------------------------------
@@ -320,12 +431,14 @@ class EtcdStore:
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
         delay = 0.02
+        stale = ""
         while True:
-            self._chan()
+            metadata = await self._metadata(deadline, stale)
             remaining = deadline - time.monotonic()
             call = self._lease_stub.LeaseKeepAlive(
                 iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
                 timeout=max(0.01, min(remaining, self.attempt_timeout)),
+                metadata=metadata,
             )
             try:
                 async for resp in call:
@@ -336,6 +449,10 @@ class EtcdStore:
                     return float(resp.TTL)
                 raise StoreUnavailable("etcd closed the keep-alive stream without an answer.")
             except grpc.aio.AioRpcError as exc:
+                if self._token_refused(exc) and time.monotonic() < deadline:
+                    stale = self._token
+                    continue
+                self._check_handshake(exc)
                 if exc.code() not in _TRANSIENT:
                     raise self._translate(exc, f"keep-alive of lease {lease_id:#x}") from exc
                 if time.monotonic() + delay >= deadline:
@@ -362,8 +479,9 @@ class EtcdStore:
         raw = prefix.encode()
         next_rev = start_revision
         delay = 0.02
+        stale = ""
         while not self._closed:
-            self._chan()
+            auth = await self._metadata(time.monotonic() + self.timeout, stale)
             create = rpc.WatchCreateRequest(
                 key=raw, range_end=_range_end(raw), start_revision=next_rev, progress_notify=True
             )
@@ -377,7 +495,7 @@ class EtcdStore:
                         return
                     yield item
 
-            call = self._watch_stub.Watch(request_iter(), metadata=(("hasleader", "true"),))
+            call = self._watch_stub.Watch(request_iter(), metadata=(("hasleader", "true"), *auth))
             self._watch_calls.add(call)
             try:
                 async for resp in call:
@@ -387,6 +505,9 @@ class EtcdStore:
                             f"compacted history up to {resp.compact_revision}.",
                             resp.compact_revision,
                         )
+                    if resp.canceled and any(m in resp.cancel_reason for m in _TOKEN_EXPIRED):
+                        stale = self._token  # the token expired between re-watches: authenticate again
+                        break
                     if resp.canceled:
                         raise StoreUnavailable(
                             f"etcd cancelled the watch on {prefix!r}: {resp.cancel_reason}"
@@ -417,6 +538,9 @@ class EtcdStore:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.CANCELLED and self._closed:
                     return
+                if self._token_refused(exc):
+                    stale = self._token
+                self._check_handshake(exc)
                 log.debug("watch on %r broke (%s); re-watching from %d", prefix, exc.code().name, next_rev)
             finally:
                 requests.put_nowait(None)

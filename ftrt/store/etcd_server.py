@@ -21,9 +21,15 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ftrt.errors import ConfigError, FtrtError
+from ftrt.store.access import EtcdAccess
+from ftrt.store.certs import TlsFiles
+
+JOB_ROLE = "ftrt"
+JOB_PREFIX = "/ftrt/"
+"""What :meth:`EtcdServer.enable_auth` grants the job's users: read and write under ``/ftrt/``."""
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +79,8 @@ class EtcdServer:
         election_timeout_ms / heartbeat_ms: raft timing; 500/100 gives ~1 s lease granularity and
             quick leader elections while waking etcd less often than 50 ms ticks would.
         unsafe_no_fsync: skip fsync (for throwaway data: tests, ``--standalone``).
+        tls: serve clients over TLS with these files (:func:`ftrt.store.certs.tls_dir`) and
+            require a client certificate signed by their CA (etcd's ``--client-cert-auth``).
     """
 
     name: str = "ftrt-etcd"
@@ -88,6 +96,7 @@ class EtcdServer:
     binary: str | None = None
     log_path: str | None = None
     extra_args: Sequence[str] = ()
+    tls: TlsFiles | None = None
     proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _tmp: str | None = field(default=None, init=False, repr=False)
     _log_file: object = field(default=None, init=False, repr=False)
@@ -104,12 +113,25 @@ class EtcdServer:
         return f"{self.host}:{self.client_port}"
 
     @property
+    def url(self) -> str:
+        """The client URL, ``http://`` or ``https://`` (what ``--etcd`` takes for TLS)."""
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
+
+    def access(self, client: str = "ftrt", **auth) -> EtcdAccess:
+        """Credentials for this server: its CA and ``client``'s certificate under TLS, plus
+        ``auth`` (``user=``, ``password=`` or ``password_file=``)."""
+        if self.tls is None:
+            return EtcdAccess(**auth)
+        return EtcdAccess(cacert=str(self.tls.ca), cert=str(self.tls.client_cert(client)),
+                          key=str(self.tls.client_key(client)), **auth)
+
+    @property
     def peer_url(self) -> str:
         return f"http://{self.host}:{self.peer_port}"
 
     def command(self) -> list[str]:
         """The etcd command line this server runs."""
-        client_url = f"http://{self.host}:{self.client_port}"
+        client_url = self.url
         assert self.data_dir is not None
         cmd = [
             find_etcd_binary(self.binary),
@@ -130,6 +152,9 @@ class EtcdServer:
         ]
         if self.unsafe_no_fsync:
             cmd.append("--unsafe-no-fsync")
+        if self.tls is not None:
+            cmd += ["--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
+                    "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
         cmd.extend(self.extra_args)
         return cmd
 
@@ -155,12 +180,67 @@ class EtcdServer:
 
     def healthy(self, timeout: float = 0.5) -> bool:
         """Whether the member answers ``/health`` with a leader in its cluster."""
-        url = f"http://{self.host}:{self.client_port}/health"
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as resp:
+            with self._open("/health", timeout=timeout) as resp:
                 return json.loads(resp.read()).get("health") == "true"
         except (urllib.error.URLError, OSError, ValueError):
             return False
+
+    def _open(self, path: str, data: bytes | None = None, timeout: float = 0.5):
+        """An HTTP(S) request to etcd's client URL (with the server's own certificate under TLS)."""
+        req = urllib.request.Request(self.url + path, data=data, method="POST" if data is not None else "GET")
+        ctx = None
+        if self.tls is not None:
+            ctx = self.access().ssl_context()
+            ctx.load_cert_chain(self.tls.server_cert, self.tls.server_key)
+        return urllib.request.urlopen(req, timeout=timeout, context=ctx)
+
+    def enable_auth(self, root_password: str, users: Mapping[str, str], *, timeout: float = 10.0) -> None:
+        """Turn on etcd's auth: a ``root`` user with ``root_password``, and each of ``users``
+        (name -> password) in the role ``ftrt`` that reads and writes ``/ftrt/``, as an operator
+        would with etcdctl. Every client needs a user from then on (or, under TLS, a client
+        certificate whose common name is one)."""
+        import grpc
+        from aetcd import rpc
+
+        from ftrt.store.etcd import _range_end
+
+        if self.tls is not None:
+            chan = grpc.secure_channel(self.endpoint, self.access("root").channel_credentials())
+        else:
+            chan = grpc.insecure_channel(self.endpoint)
+        try:
+            auth = rpc.AuthStub(chan)
+            calls = [
+                (auth.UserAdd, rpc.AuthUserAddRequest(name="root", password=root_password)),
+                (auth.RoleAdd, rpc.AuthRoleAddRequest(name="root")),
+                (auth.UserGrantRole, rpc.AuthUserGrantRoleRequest(user="root", role="root")),
+                (auth.RoleAdd, rpc.AuthRoleAddRequest(name=JOB_ROLE)),
+                (auth.RoleGrantPermission, rpc.AuthRoleGrantPermissionRequest(name=JOB_ROLE, perm=rpc.Permission(
+                    permType=rpc.Permission.READWRITE, key=JOB_PREFIX.encode(),
+                    range_end=_range_end(JOB_PREFIX.encode())))),
+            ]
+            for user, password in users.items():
+                calls += [(auth.UserAdd, rpc.AuthUserAddRequest(name=user, password=password)),
+                          (auth.UserGrantRole, rpc.AuthUserGrantRoleRequest(user=user, role=JOB_ROLE))]
+            calls.append((auth.AuthEnable, rpc.AuthEnableRequest()))
+            for method, request in calls:
+                method(request, timeout=timeout)
+        finally:
+            chan.close()
+
+    def secure_access(self, work: str | os.PathLike, user: str | None = None) -> EtcdAccess:
+        """Credentials for a job on this (started, TLS) server: with ``user``, etcd's auth is
+        turned on first, with random passwords and ``user``'s in ``work/etcd-password``."""
+        import secrets
+
+        if user is None:
+            return self.access()
+        path = Path(work) / "etcd-password"
+        path.write_text(secrets.token_urlsafe(18) + "\n")
+        path.chmod(0o600)
+        self.enable_auth(secrets.token_urlsafe(18), {user: path.read_text().strip()})
+        return self.access(user=user, password_file=str(path))
 
     def wait_ready(self, timeout: float = 15.0) -> None:
         """Block until healthy; raise with etcd's exit code if it died, or on timeout."""
@@ -242,6 +322,11 @@ class EtcdCluster:
         """All client endpoints, ``host:port,...``."""
         return ",".join(m.endpoint for m in self.members)
 
+    @property
+    def urls(self) -> str:
+        """All client URLs, ``http(s)://host:port,...`` (what ``--etcd`` takes, TLS included)."""
+        return ",".join(m.url for m in self.members)
+
     def start(self, timeout: float = 20.0) -> "EtcdCluster":
         for m in self.members:
             m.start(wait=False)
@@ -257,10 +342,7 @@ class EtcdCluster:
                 if not m.alive():
                     continue
                 try:
-                    req = urllib.request.Request(
-                        f"http://{m.endpoint}/v3/maintenance/status", data=b"{}", method="POST"
-                    )
-                    with urllib.request.urlopen(req, timeout=0.5) as resp:
+                    with m._open("/v3/maintenance/status", data=b"{}") as resp:
                         st = json.loads(resp.read())
                     header = st.get("header", {})
                     if st.get("leader") and st.get("leader") == header.get("member_id"):

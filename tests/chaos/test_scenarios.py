@@ -16,7 +16,7 @@ import pytest
 from ftrt.chaos.scenario import builtin, builtin_dir, load_scenario
 from ftrt.errors import ConfigError
 
-QUICK = ("kill-node", "corrupt-checkpoint")
+QUICK = ("kill-node", "kill-node-tls", "corrupt-checkpoint")
 
 
 def test_every_builtin_scenario_is_valid_and_covers_every_fault_kind():

@@ -14,19 +14,22 @@ from ftrt.store.etcd import EtcdStore
 from ftrt.store.memory import MemoryStore
 
 
-@pytest.fixture(params=["memory", "etcd"])
+@pytest.fixture(params=["memory", "etcd", "etcd-tls-auth"])
 async def store(request) -> Store:
     if request.param == "memory":
         s: Store = MemoryStore()
-    else:
+    elif request.param == "etcd":
         s = EtcdStore(request.getfixturevalue("etcd_endpoint"), timeout=3.0)
+    else:  # TLS with a client certificate, and a user whose token etcd lets expire after 1 s unused
+        s = EtcdStore(request.getfixturevalue("etcd_secure").url, timeout=3.0,
+                      access=request.getfixturevalue("etcd_secure_access"))
     yield s
     await s.close()
 
 
 @pytest.fixture
 def pfx() -> str:
-    return f"/contract/{uuid.uuid4().hex[:8]}/"
+    return f"/ftrt/contract-{uuid.uuid4().hex[:8]}/"  # under /ftrt/: the only prefix a job's etcd user may use
 
 
 async def next_batch(it, timeout: float = 5.0):
