@@ -34,11 +34,13 @@ from ftrt.agents.auth import JobToken, job_token
 from ftrt.agents.boundary import RoundEndWriter, boundary_timeout, planned_change
 from ftrt.agents.config import LaunchConfig
 from ftrt.agents.decide import RendezvousConfig
-from ftrt.agents.events import EventLog
+from ftrt.agents.events import EventLog, open_event_file
 from ftrt.agents.fence import FenceWriter
 from ftrt.agents.health import find_hung
 from ftrt.agents.keys import JobKeys
 from ftrt.agents.membership import Taken, register, tcp_refused, update
+from ftrt.agents.metrics import AgentMetrics
+from ftrt.agents.metrics import serve as serve_metrics
 from ftrt.agents.peers import PeerMonitor, ring_successors
 from ftrt.agents.records import NodeRecord, RoundRecord
 from ftrt.agents.rendezvous import Rendezvous
@@ -127,6 +129,12 @@ class Agent:
         self._monitor: PeerMonitor | None = None
         self._finished_at = 0.0
         self._background: set[asyncio.Task] = set()
+        self.metrics = AgentMetrics(
+            cfg.node_id, etcd_errors=lambda: getattr(self.store, "errors", 0),
+            replicas=lambda: dict(self.replicator.last_sent) if self.replicator and self.replicator.peer else None,
+        )
+        self._metrics_server = None
+        self._event_file = None
 
     # -- state ----------------------------------------------------------------------------------
     def _set_state(self, new: AgentState, why: str = "") -> None:
@@ -174,6 +182,8 @@ class Agent:
             warm=cfg.warm_workers, warm_imports=cfg.warm_imports, base_env=early.base_env,
             log_dir=cfg.log_dir, on_exit=self._on_worker_exit,
             on_memory=lambda rank, step: self.replicator and self.replicator.notify(rank),
+            on_heartbeat=lambda w: self.metrics.heartbeat(w.rank, w.round, w.step),
+            on_report=self._on_report,
         )
         self.pool.adopt_spares(early.take_spawned())
         template = early.take_template()
@@ -189,7 +199,13 @@ class Agent:
 
         self._server, port = await start_server(self, self.host, cfg.agent_port)
         self.agent_addr = f"{self.host}:{port}"
-        self._events = EventLog(self.store, self.keys, cfg.node_id)
+        if cfg.metrics_port is not None:
+            self._metrics_server, mport = serve_metrics(self.metrics, self.host, cfg.metrics_port)
+            self.log.info("Prometheus metrics on http://%s:%d/metrics", self.host, mport)
+        if cfg.event_log:
+            self._event_file = open_event_file(cfg.event_log)
+        self._events = EventLog(self.store, self.keys, cfg.node_id, file=self._event_file,
+                                round_of=lambda: self.worker_round)
         await self._join()
         self.rdzv = Rendezvous(
             self.store, self.keys, cfg.node_id,
@@ -300,7 +316,8 @@ class Agent:
         if rec is None or not rec.lease:
             return
         self.log.warning("peer %s is dead (%s); revoking its lease", node_id, reason)
-        self._events.emit("node_lost", f"{node_id}: {reason}", lost=node_id)
+        self.metrics.fault("node_lost")
+        self._events.emit("node_lost", f"{node_id}: {reason}", lost=node_id, evidence=reason)
         try:
             await self.store.revoke_lease(rec.lease, timeout=2.0)
         except StoreError as exc:
@@ -351,7 +368,8 @@ class Agent:
         await self.pool.stop_running(0.0)
         self.session.orphan()
         self._set_state(AgentState.FENCED)
-        self._events.emit("fenced", f"{self.cfg.node_id} fenced itself: {reason}")
+        self.metrics.fault("fenced")
+        self._events.emit("fenced", f"{self.cfg.node_id} fenced itself: {reason}", evidence=reason)
         while True:
             try:
                 await self._join()
@@ -361,6 +379,20 @@ class Agent:
                 await asyncio.sleep(0.5)
         self._set_state(AgentState.WAITING)
         self.log.info("rejoined as a new member")
+
+    def _on_report(self, worker: Worker, msg: dict) -> None:
+        """A worker's checkpoint, restore or trainer report: metrics, and events for the rare ones."""
+        self.metrics.report(msg)
+        kind = msg.get("t")
+        if kind == "restore":
+            self._events.emit("restore", f"rank {worker.rank} restored step {msg.get('step')} from "
+                              f"{msg.get('tier')} in {float(msg.get('seconds', 0)):.2f} s", rank=worker.rank,
+                              tier=msg.get("tier"), step=msg.get("step"), seconds=msg.get("seconds"))
+        elif kind == "ckpt":
+            self._events.emit("checkpoint_committed", f"checkpoint step {msg.get('step')} committed to "
+                              f"{msg.get('tier')} in {float(msg.get('save_s', 0)):.2f} s", local=True,
+                              tier=msg.get("tier"), step=msg.get("step"), seconds=msg.get("save_s"),
+                              bytes=msg.get("bytes"))
 
     def _on_worker_exit(self, worker: Worker) -> None:
         self._exited.append(worker)
@@ -402,7 +434,8 @@ class Agent:
         self._set_state(AgentState.WAITING)
         failed = self.worker_round  # captured: a new round may start while the workers stop
         self.log.warning("worker %s in round %d: %s; asking for a restart", kind, failed, detail)
-        self._events.emit(f"worker_{kind}", detail, round=failed)
+        self.metrics.fault(f"worker_{kind}")
+        self._events.emit(f"worker_{kind}", detail, round=failed, evidence=detail)
         await self.pool.stop_running(self.cfg.restart_grace)
         current = self.rdzv.view.round
         if self.worker_round != failed or current is None or current.round != failed:
@@ -426,6 +459,8 @@ class Agent:
             if self.pool.running:
                 await self.pool.stop_running(self.cfg.restart_grace)
                 self.log.info("round %d does not include this node; workers stopped", rnd.round)
+                self._events.emit("workers_stopped", f"round {rnd.round} does not include {self.cfg.node_id}",
+                                  round=rnd.round)
             self.worker_round = rnd.round
             self._set_state(AgentState.WAITING)
             return
@@ -480,13 +515,20 @@ class Agent:
                 master_addr=master_addr, master_port=master_port,
                 max_restarts=self.cfg.max_restarts, agent_addr=self.agent_addr, etcd=self.endpoints,
                 etcd_access=self.cfg.etcd_access, mtbf=self.cfg.mtbf,
+                checkpoint_key_file=self.cfg.checkpoint_key_file,
             )
             self.pool.assign(
                 w, local_rank=local_rank, rank=offset + local_rank, round_no=rnd.round, env=env,
                 script=self.cfg.script, module=self.cfg.module, argv=self.cfg.script_args,
             )
+        previous = self._worker_record
         self.worker_round, self._worker_record = rnd.round, rnd
         self._set_state(AgentState.RUNNING)
+        self.metrics.round_started(rnd.round, rnd.world_size, len(rnd.members), rnd.reason, first=previous is None,
+                                   fault=previous is not None and rnd.faults > previous.faults)
+        self._events.emit("workers_started", f"ranks {offset}-{offset + len(workers) - 1} of {rnd.world_size} "
+                          f"started ({rnd.reason})", ranks=[offset + i for i in range(len(workers))],
+                          world_size=rnd.world_size)
         self.log.info(
             "round %d: started ranks %d-%d of %d (%s) in %.0f ms",
             rnd.round, offset, offset + len(workers) - 1, rnd.world_size, rnd.reason,
@@ -548,6 +590,10 @@ class Agent:
             await self.rdzv.close()
         if self._events is not None:
             await self._events.flush()
+        if self._event_file is not None:
+            self._event_file.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         if self.session is not None:
             await self.session.close()
         if self._server is not None:

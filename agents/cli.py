@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--mtbf", type=float, default=None, metavar="SECONDS",
         help="mean seconds between failures to plan checkpoint cadence for (default: observed from the "
              "job's faults, or one hour while there are none)")
+    add("--checkpoint-key-file", dest="checkpoint_key_file", default=None, metavar="FILE",
+        help="the job's checkpoint key: checkpoints are signed (HMAC-SHA256) and only signed ones restored")
+    add("--metrics-port", dest="metrics_port", type=int, default=None, metavar="PORT",
+        help="serve Prometheus metrics on --host's address at this port (0: a free one; see docs/metrics.md)")
+    add("--event-log", dest="event_log", default=None, metavar="FILE",
+        help="append this node's events to FILE, one JSON line each")
     access.add_arguments(p.add_argument_group("etcd security (TLS and auth)"))
     add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None, help=argparse.SUPPRESS)
     add("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=None, help=argparse.SUPPRESS)
@@ -122,6 +128,7 @@ def config_from_namespace(ns: argparse.Namespace) -> "LaunchConfig":
         restart_grace=ns.restart_grace, warm_workers=ns.warm_workers,
         exit_barrier_timeout=ns.exit_barrier_timeout, replica_interval=ns.replica_interval,
         mtbf=ns.mtbf, script_args=tuple(ns.args), etcd_access=access.from_args(ns),
+        metrics_port=ns.metrics_port, event_log=ns.event_log, checkpoint_key_file=ns.checkpoint_key_file,
     )
     if ns.is_module:
         values["module"] = ns.target

@@ -95,6 +95,17 @@ class LaunchConfig(BaseModel):
         "as FTRT_MTBF; a checkpoint interval of 'auto' is chosen from it). Default: observed from the "
         "job's faults so far, or one hour while there are none.",
     )
+    checkpoint_key_file: Optional[str] = Field(
+        None, description="File holding the job's checkpoint key: workers' checkpoints are summed with SHA-256 and "
+        "signed with HMAC-SHA256, and restore refuses unsigned or foreign ones (workers get the path).",
+    )
+    metrics_port: Optional[int] = Field(
+        None, ge=0, le=65535, description="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST: --host; "
+        "0 picks a free port, logged at start). Off by default.",
+    )
+    event_log: Optional[str] = Field(
+        None, description="Append this node's events to this file, one JSON line each (time, node, round, kind).",
+    )
     peer_check_interval: float = Field(
         5.0, gt=0, description="Seconds between liveness beats on the streams to peer agents. A dead "
         "peer is seen when its stream's connection closes, not from missing beats; the beats only keep "
@@ -105,6 +116,11 @@ class LaunchConfig(BaseModel):
     @classmethod
     def _job_id(cls, v: str) -> str:
         return check_id("job id", v)
+
+    @field_validator("checkpoint_key_file")
+    @classmethod
+    def _key_file(cls, v: Optional[str]) -> Optional[str]:
+        return os.path.abspath(v) if v else None  # workers may run elsewhere in the tree
 
     @field_validator("node_id")
     @classmethod
@@ -127,6 +143,13 @@ class LaunchConfig(BaseModel):
         if self.standalone and self.etcd_access.secured:
             raise ValueError("--standalone starts a local etcd without TLS or users; the --etcd-* access "
                              "flags are for a given --etcd")
+        if self.checkpoint_key_file is not None:
+            from ftrt.checkpoint.signing import load_key
+
+            try:
+                load_key(self.checkpoint_key_file)
+            except ConfigError as exc:
+                raise ValueError(str(exc).rstrip(".")) from None
         if self.script is not None and not os.path.isfile(self.script):
             raise ValueError(f"the script {self.script!r} does not exist (looked in {os.getcwd()})")
         return self

@@ -1,7 +1,9 @@
 """``ftrt status``: who is in a job's world, which round, restarts, workers' steps, recent events.
 
 It reads the job's keys in etcd and asks each member's agent (gRPC, short deadline) for its
-workers. ``--json`` prints the same as one JSON object for scripts.
+workers. ``--json`` prints the same as one JSON object for scripts. ``--watch`` then follows the
+job live through an etcd watch on its keys: each event and each new round as it is written
+(JSON lines with ``--json``), until the job ends or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -128,10 +130,53 @@ def render(st: dict) -> str:
             lines.append(f"       {n['node_id']:<20} {what}, agent {n['agent_addr']}")
     if st["events"]:
         lines.append("recent events:")
-        for e in st["events"]:
-            t = time.strftime("%H:%M:%S", time.localtime(e["time"])) + f".{int(e['time'] % 1 * 1000):03d}"
-            lines.append(f"  {t} {e['node']:<12} {e['kind']:<14} {e['message']}")
+        lines.extend(render_event(e) for e in st["events"])
     return "\n".join(lines)
+
+
+def render_event(e: dict) -> str:
+    t = time.strftime("%H:%M:%S", time.localtime(e["time"])) + f".{int(e['time'] % 1 * 1000):03d}"
+    return f"  {t} {e['node']:<12} {e['kind']:<14} {e['message']}"
+
+
+async def watch_status(endpoints: str, job_id: str, *, access: EtcdAccess = EtcdAccess(), events: int = 10,
+                       as_json: bool = False, out=print) -> str:
+    """Print the status, then every event and round change as etcd records it, until the job
+    succeeds or fails; return its final state."""
+    keys = JobKeys(job_id)
+    store = EtcdStore(endpoints, timeout=3.0, access=access)
+    try:
+        _, revision = await store.get(keys.round)
+        st = await collect_status(endpoints, job_id, events, access=access)
+        out(json.dumps(st) if as_json else render(st))
+        if st["job"]:
+            return st["job"]["state"]
+        seen = {(e["time"], e["node"]) for e in st["events"]}
+        async for batch in store.watch_prefix(keys.root, revision + 1):
+            for ev in batch:
+                if ev.kind != "put":
+                    continue
+                if ev.key.startswith(keys.events):
+                    try:
+                        e = json.loads(ev.value)
+                        if (e["time"], e["node"]) in seen:
+                            continue
+                        out(json.dumps({"event": e}) if as_json else render_event(e))
+                    except (ValueError, KeyError, TypeError):
+                        continue
+                elif ev.key == keys.round:
+                    rnd = decode(RoundRecord, ev.value)
+                    out(json.dumps({"round": dataclasses.asdict(rnd)}) if as_json else
+                        f"round {rnd.round}: world size {rnd.world_size}, {len(rnd.members)} node(s) "
+                        f"({', '.join(rnd.node_ids)}): {rnd.reason}")
+                elif ev.key == keys.state:
+                    job = decode(JobState, ev.value)
+                    out(json.dumps({"job": dataclasses.asdict(job)}) if as_json else
+                        f"job {job_id}: {job.state}: {job.reason}")
+                    return job.state
+        return "unknown"
+    finally:
+        await store.close()
 
 
 def status_main(argv: list[str]) -> int:
@@ -140,9 +185,19 @@ def status_main(argv: list[str]) -> int:
     p.add_argument("--job-id", "--rdzv-id", dest="job_id", required=True, help="the job's id")
     p.add_argument("--events", type=int, default=10, help="how many recent events to show (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--watch", action="store_true",
+                   help="then follow the job live: each event and round change, until it ends (Ctrl-C stops)")
     etcd_access.add_arguments(p.add_argument_group("etcd security (TLS and auth)"))
     args = p.parse_args(argv)
     check_id("job id", args.job_id)
-    st = asyncio.run(collect_status(args.etcd, args.job_id, args.events, access=etcd_access.from_args(args)))
+    access = etcd_access.from_args(args)
+    if args.watch:
+        try:
+            asyncio.run(watch_status(args.etcd, args.job_id, access=access, events=args.events, as_json=args.json,
+                                     out=lambda line: print(line, flush=True)))
+        except KeyboardInterrupt:
+            pass
+        return 0
+    st = asyncio.run(collect_status(args.etcd, args.job_id, args.events, access=access))
     print(json.dumps(st, indent=2) if args.json else render(st))
     return 0

@@ -25,6 +25,7 @@ def worker_env(
     etcd: str = "",
     etcd_access: EtcdAccess = EtcdAccess(),
     mtbf: float | None = None,
+    checkpoint_key_file: str | None = None,
 ) -> dict[str, str]:
     """Variables for one worker of ``node_id`` in round ``rnd`` (which must include the node).
 
@@ -63,4 +64,6 @@ def worker_env(
         "FTRT_JOB_STARTED": repr(rnd.job_started or rnd.created),
         "FTRT_MTBF": "" if mtbf is None else repr(float(mtbf)),
         **etcd_access.env(),
+        # The path of the checkpoint key, never the key (ftrt.checkpoint.signing).
+        "FTRT_CHECKPOINT_KEY_FILE": checkpoint_key_file or "",
     }

@@ -261,6 +261,9 @@ class WorkerPool:
         base_env: environment for workers (the agent's, plus anything the agent adds).
         on_exit: called as ``on_exit(worker)`` when an assigned worker exits.
         on_heartbeat: called as ``on_heartbeat(worker)`` on each heartbeat.
+        on_memory: called as ``on_memory(rank, step)`` when a worker's memory checkpoint is complete.
+        on_report: called as ``on_report(worker, message)`` with a worker's checkpoint (``mem``,
+            ``ckpt``), ``restore`` and trainer (``stats``) reports.
     """
 
     def __init__(
@@ -275,6 +278,7 @@ class WorkerPool:
         on_exit: Callable[[Worker], None],
         on_heartbeat: Callable[[Worker], None] | None = None,
         on_memory: Callable[[int, int], None] | None = None,
+        on_report: Callable[[Worker, dict], None] | None = None,
         out: IO[bytes] | None = None,
     ) -> None:
         self.nproc = nproc
@@ -286,6 +290,7 @@ class WorkerPool:
         self.on_exit = on_exit
         self.on_heartbeat = on_heartbeat
         self.on_memory = on_memory
+        self.on_report = on_report
         self.out = out if out is not None else sys.stdout.buffer
         self.spares: list[Worker] = []
         self.running: list[Worker] = []
@@ -575,6 +580,10 @@ class WorkerPool:
                     self._template.exited(int(msg.get("pid", -1)), int(msg.get("code", -1)))
                 elif kind == "mem" and self.on_memory is not None:
                     self.on_memory(int(msg.get("rank", -1)), int(msg.get("step", -1)))
+                    if self.on_report is not None:
+                        self.on_report(worker, msg)
+                elif kind in ("ckpt", "restore", "stats") and self.on_report is not None:
+                    self.on_report(worker, msg)
                 elif kind == "ready":
                     worker.store_port = int(msg.get("store_port", 0))
                     if worker.state == "warming":

@@ -26,6 +26,11 @@ def write_report(report: Report, out: Path, metrics: list[dict]) -> None:
     ]
     for f in report.faults:
         lines.append(f"| {f.kind} | {f.target} | {f.at} | {f.step} | {f.recovery_s} | {f.detail} |")
+    if report.metrics:
+        lines += ["", "| node | agent's ftrt_recovery_seconds (count, mean) | ftrt_restarts_total |", "|---|---|---|"]
+        for node, m in sorted(report.metrics.items()):
+            mean = f"{m['recovery_sum_s'] / m['recovery_count']:.2f} s" if m["recovery_count"] else "-"
+            lines.append(f"| {node} | {m['recovery_count']}, {mean} | {m['restarts'] or '-'} |")
     lines += ["", "| invariant | holds | why |", "|---|---|---|"]
     for name, v in report.invariants.items():
         lines.append(f"| {name} | {'yes' if v['ok'] else '**NO**'} | {v['reason']} |")

@@ -17,7 +17,10 @@ warm, as they are when faults come minutes apart in a long job. At the end:
   first and every step's metrics must match it bit for bit; ``ledger``: each step trained the
   same prompts as a fault-free run does);
 - ``no_process_left``: no process the run started is still alive;
-- ``no_stale_keys``: no key under the job's etcd prefix is still attached to a lease.
+- ``no_stale_keys``: no key under the job's etcd prefix is still attached to a lease;
+- ``metrics_agree`` (one ``kill_node`` or ``kill_worker`` fault): each agent that saw the
+  recovery reports it in ``ftrt_recovery_seconds`` within 0.5 s + 25 % of the time measured
+  here. The runner reads every agent's ``/metrics`` once a second (``Report.metrics``).
 """
 
 from __future__ import annotations
@@ -38,9 +41,15 @@ from ftrt.chaos.netns import NetLab, unavailable
 from ftrt.chaos.proxy import TcpProxy
 from ftrt.chaos.s3server import MotoS3
 from ftrt.chaos.scenario import Fault, Scenario, storm_faults
+from ftrt.store.etcd_server import free_port
 
 WARM_WAIT_S = 60.0
 """Longest a due fault waits for every live agent's spare workers to be warm."""
+SCRAPE_EVERY_S = 1.0
+"""How often the runner reads each live agent's Prometheus metrics (their last reading is kept)."""
+CHECKED_BY_METRICS = ("kill_node", "kill_worker")
+"""Faults whose first evidence an agent sees at once (a broken stream, an exit), so that its
+``ftrt_recovery_seconds`` and the report's recovery time measure the same span."""
 
 EXACT_FIELDS = ("step", "reward_mean", "loss", "kl", "world_size", "prompt_ids")
 
@@ -69,6 +78,7 @@ class Report:
     steps: int = 0
     world_sizes: list[int] = field(default_factory=list)
     skipped: str | None = None  # why the scenario could not run here (it then neither passed nor failed)
+    metrics: dict[str, dict] = field(default_factory=dict)  # per node, its agent's last scrape (recovery, restarts)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -143,12 +153,19 @@ class ChaosRun:
             args = self._launch_args(endpoints, job_id, run, max_nodes, ckpt, access)
             metrics = self.work / f"{run}-metrics.jsonl"
 
+            ports: dict[str, int] = {}
+
             def start_node(name: str) -> LocalNode:
                 command = None
+                node_args = args
                 if lab is not None:
                     command = lab.wrap(Context.node_index(name), [sys.executable, "-m", "ftrt.cli.main", "launch",
                                                                   "--node-id", name, *args])
-                node = LocalNode(self.work, name, args, command=command, env=NetLab.env() if lab else None)
+                else:  # each agent serves its metrics; the runner scrapes them (a restarted node keeps its port)
+                    port = ports.setdefault(name, free_port())
+                    i = args.index("-m")
+                    node_args = [*args[:i], "--metrics-port", str(port), *args[i:]]
+                node = LocalNode(self.work, name, node_args, command=command, env=NetLab.env() if lab else None)
                 node.log_path = self.work / f"{run}-agent-{name}-{int(time.time() * 1000) % 100000}.log"
                 return node.start()
 
@@ -157,7 +174,7 @@ class ChaosRun:
             for i in range(sc.cluster.nodes):
                 nodes[f"node{i}"] = start_node(f"node{i}")
             ctx = Context(nodes, etcd, endpoints, job_id, self.work / f"{run}-ckpt", self.rng, start_node,
-                          lab=lab, storage_proxy=proxy, etcd_access=access)
+                          lab=lab, storage_proxy=proxy, etcd_access=access, metrics_ports=ports)
             self._drive(ctx, faults, metrics, deadline, res)
             res.codes = {n: node.proc.poll() for n, node in nodes.items() if n not in ctx.killed}
             res.stale = asyncio.run(_leased_keys(endpoints, job_id, access))
@@ -183,6 +200,7 @@ class ChaosRun:
         pending = list(faults)
         ends: list[tuple[float, FaultRecord, Injected]] = []
         warm_wait: float | None = None
+        next_scrape = 0.0
         while time.monotonic() < deadline:
             lines = _lines(metrics)
             now = time.time()
@@ -232,6 +250,11 @@ class ChaosRun:
                     self.log(f"[chaos] {item[1].ended_at:7.2f} s  {item[1].kind} on {item[1].target} ended")
             if not any(n.alive() for n in nodes.values()):
                 break  # the job is over (or every node is dead)
+            if time.monotonic() >= next_scrape:
+                next_scrape = time.monotonic() + SCRAPE_EVERY_S
+                for name, port in ctx.metrics_ports.items():
+                    if nodes[name].alive() and (got := scrape_agent(port)) is not None:
+                        res.scraped[name] = got
             time.sleep(0.05)
         for _, rec, inj in ends:  # the run is over: end what is still going on (a dead node stays dead)
             if rec.kind != "kill_node":
@@ -300,6 +323,9 @@ class ChaosRun:
                   f"world sizes {' -> '.join(map(str, worlds))}: "
                   + ("it grew again after its smallest" if worlds and max(worlds[low:]) > worlds[low]
                      else "it never grew after its smallest"))
+        agree = metrics_agree(injected, job.scraped)
+        if agree is not None:
+            check("metrics_agree", *agree)
         left = _alive(job.pids)
         check("no_process_left", not left, "no process of the run is alive" if not left else f"still alive: {left}")
         check("no_stale_keys", not job.stale, "no leased key left under the job's prefix" if not job.stale
@@ -308,7 +334,7 @@ class ChaosRun:
         span = (lines[-1]["time"] - job.t0) if lines else 0.0
         return Report(sc.name, all(v["ok"] for v in inv.values()), self.seed, records, inv,
                       round(productive / span, 4) if span > 0 else None, round(time.monotonic() - t_start, 1),
-                      len(lines), worlds)
+                      len(lines), worlds, metrics=job.scraped)
 
 
 @dataclass
@@ -324,6 +350,7 @@ class JobResult:
     t_first: float | None = None
     t0: float = 0.0
     checkpoints: tuple[bool, str] = (False, "not checked")
+    scraped: dict[str, dict] = field(default_factory=dict)  # node -> its agent's newest scrape
 
 
 def recovery_time(at: float, step_ends: list[float], window_end: float, next_fault: bool = False,
@@ -423,3 +450,43 @@ def _verify_checkpoints(url: str, storage_options: dict | None, damaged: set[int
     if not good:
         return False, f"no committed checkpoint at {url}"
     return True, f"{good} committed checkpoints verify" + (f"; {len(bad)} damaged on purpose fail as they must" if bad else "")
+
+
+def scrape_agent(port: int) -> dict | None:
+    """The recovery histogram's sum and count and the restarts by cause, from one agent's
+    ``/metrics`` (None if it does not answer in time)."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=0.5) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+    out: dict = {"recovery_sum_s": 0.0, "recovery_count": 0, "restarts": {}}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "ftrt_recovery_seconds_sum":
+                out["recovery_sum_s"] = round(s.value, 4)
+            elif s.name == "ftrt_recovery_seconds_count":
+                out["recovery_count"] = int(s.value)
+            elif s.name == "ftrt_restarts_total" and s.value:
+                out["restarts"][s.labels["reason"]] = int(s.value)
+    return out
+
+
+def metrics_agree(injected: list[FaultRecord], scraped: dict[str, dict]) -> tuple[bool, str] | None:
+    """Whether the agents' ``ftrt_recovery_seconds`` matches the report's recovery time, for a run
+    with one fault of a kind agents see at once (None: nothing to compare)."""
+    if len(injected) != 1 or injected[0].kind not in CHECKED_BY_METRICS or injected[0].recovery_s is None:
+        return None
+    seen = {n: m["recovery_sum_s"] / m["recovery_count"] for n, m in scraped.items() if m["recovery_count"] == 1}
+    if not seen:
+        return False, f"no agent's ftrt_recovery_seconds observed the {injected[0].kind} (scraped: {scraped})"
+    measured = injected[0].recovery_s
+    worst = max(seen.values(), key=lambda v: abs(v - measured))
+    ok = abs(worst - measured) <= 0.5 + 0.25 * measured
+    return ok, (f"ftrt_recovery_seconds on {', '.join(f'{n} {v:.2f} s' for n, v in sorted(seen.items()))} against "
+                f"{measured:.2f} s measured from the steps (allowed: 0.5 s + 25 %)")

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ftrt import _diag
 from ftrt.checkpoint import manifest as mf
+from ftrt.checkpoint.signing import CheckpointKey
 from ftrt.checkpoint import memtier
 from ftrt.checkpoint import state as st
 from ftrt.checkpoint.skeleton import Unencodable
@@ -147,6 +148,14 @@ class Checkpointer:
         mem_dir: the node's memory-tier directory (under ``ftrt launch``: ``$FTRT_MEM_DIR``, kept
             by the agent). With it, every save is also a memory checkpoint and restore prefers the
             newest complete one (see :mod:`ftrt.checkpoint.memtier`).
+        key: the job's checkpoint key (:mod:`ftrt.checkpoint.signing`): files are summed with
+            SHA-256, manifests signed, and restore trusts only checkpoints signed under it.
+            ``rt.checkpointer`` passes the launcher's ``--checkpoint-key-file`` (or
+            ``$FTRT_CHECKPOINT_KEY``).
+        report: where this rank's checkpoint reports go, as dicts (``mem``: a memory checkpoint is
+            complete, which the agent replicates; ``ckpt``: rank 0 committed one to storage;
+            ``restore``: tier, step and seconds). Default: this worker's agent under ``ftrt
+            launch`` (:meth:`ftrt.runtime.Runtime.report`), nowhere elsewhere.
     """
 
     def __init__(
@@ -166,6 +175,8 @@ class Checkpointer:
         round_no: int = 0,
         persist_nice: int = 10,
         mem_dir: str | None = None,
+        report: Callable[[dict], None] | None = None,
+        key: CheckpointKey | None = None,
     ) -> None:
         if keep < 1:
             raise ConfigError(f"keep={keep}: a checkpointer must keep at least 1 checkpoint.")
@@ -178,6 +189,9 @@ class Checkpointer:
         self.pre_commit = pre_commit
         self.latest_limit = latest_limit
         self.round_no = round_no
+        self._report = report or _report_to_agent
+        self.key = key
+        self._checksum = "sha256" if key is not None else "crc32"
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:
             self.rank = dist.get_rank()
@@ -342,7 +356,8 @@ class Checkpointer:
                 torch.cuda.synchronize()
             self._arena.commit(slot=slot, step=step, round_no=self.round_no, world=self.world,
                                entries=entries, size=size, skeleton=skeleton)
-            _report_memory_save(self.rank, step)
+            self._report({"t": "mem", "rank": self.rank, "step": step, "bytes": size,
+                          "save_s": round(time.perf_counter() - t0, 6)})
             for key, t in flat.items():
                 if memtier._is_dtensor(t):
                     staged[key] = type(t).from_local(staged[key], t.device_mesh, t.placements, run_check=False,
@@ -374,7 +389,7 @@ class Checkpointer:
             for attempt in range(self.retries + 1):
                 attempts = attempt + 1
                 try:
-                    self._write(folder, step, sd)
+                    written = self._write(folder, step, sd)
                     error = None
                     break
                 except RoundChanged as exc:  # the job moved on: retrying cannot help
@@ -395,6 +410,8 @@ class Checkpointer:
             self.last_committed = step
             if self.rank == 0:
                 self._delete_pool.submit(self._retain)
+                self._report({"t": "ckpt", "tier": "storage", "rank": 0, "step": step, "bytes": written,
+                              "save_s": round(time.perf_counter() - t0, 6)})
         finally:
             self._stager.release(slot)
             handle.persist_s = time.perf_counter() - t0
@@ -405,7 +422,7 @@ class Checkpointer:
         """Whether ``folder`` holds a valid manifest. Storage errors propagate: "cannot tell" must
         never read as "not committed" where that leads to deletion."""
         try:
-            mf.read_manifest(self.loc, folder)
+            mf.read_manifest(self.loc, folder, self.key)
             return True
         except CheckpointCorrupt:
             return False
@@ -420,8 +437,9 @@ class Checkpointer:
         except Exception:  # storage or etcd down: the save attempt below reports it
             return False
 
-    def _write(self, folder: str, step: int, sd: Any) -> None:
-        """One attempt: DCP save, checksums, manifest (rank 0), all ranks agree on the outcome."""
+    def _write(self, folder: str, step: int, sd: Any) -> int:
+        """One attempt: DCP save, checksums, manifest (rank 0), all ranks agree on the outcome.
+        Returns the checkpoint's bytes on rank 0 (0 on the others)."""
         import torch.distributed.checkpoint as dcp
 
         cleared = None
@@ -440,7 +458,7 @@ class Checkpointer:
         try:
             names = [p.rsplit("/", 1)[-1] for p in self.loc.fs.ls(self.loc.path(folder), detail=False)]
             own = [n for n in names if n.startswith(f"__{self.rank}_") or (self.rank == 0 and n == ".metadata")]
-            mine = {n: mf.checksum_file(self.loc, self.loc.path(folder, n)) for n in own}
+            mine = {n: mf.checksum_file(self.loc, self.loc.path(folder, n), self._checksum) for n in own}
         except Exception as exc:
             mine = f"rank {self.rank}: {_short(exc)}"
         parts = self._all_gather(mine)
@@ -452,7 +470,10 @@ class Checkpointer:
             files: dict[str, mf.FileEntry] = {}
             for p in parts:
                 files.update(p)
-            m = mf.Manifest(step=step, world_size=self.world, files=files, round=self.round_no, time=time.time())
+            m = mf.Manifest(step=step, world_size=self.world, files=files, round=self.round_no, time=time.time(),
+                            checksum=self._checksum)
+            if self.key is not None:
+                m = m.signed(self.key)
             manifest_path = self.loc.path(folder, MANIFEST)
             try:
                 if self.pre_commit is not None:
@@ -472,6 +493,7 @@ class Checkpointer:
         if outcome:
             kind, message = outcome
             raise RoundChanged(message) if kind == "round" else OSError(message)
+        return sum(e.size for e in files.values()) if self.rank == 0 else 0
 
     def _retain(self) -> None:
         """Delete all but the newest ``keep`` committed checkpoints, and dead uncommitted folders."""
@@ -502,6 +524,14 @@ class Checkpointer:
         Returns None when there is no checkpoint at all; raises :class:`CheckpointCorrupt` when
         checkpoints exist but none verifies (the message lists why each was rejected).
         """
+        t0 = time.perf_counter()
+        step = self._restore(state)
+        if step is not None:
+            self._report({"t": "restore", "rank": self.rank, "tier": self.last_restore_tier, "step": step,
+                          "seconds": round(time.perf_counter() - t0, 6)})
+        return step
+
+    def _restore(self, state: dict[str, Any]) -> int | None:
         import torch.distributed.checkpoint as dcp
 
         self.wait_pending()
@@ -610,7 +640,7 @@ class Checkpointer:
         found: Any
         if self.rank == 0:
             try:
-                found = mf.read_manifest(self.loc, folder)
+                found = mf.read_manifest(self.loc, folder, self.key)
             except CheckpointCorrupt as exc:
                 found = str(exc)
         else:
@@ -648,11 +678,11 @@ class Checkpointer:
         self.close()
 
 
-def _report_memory_save(rank: int, step: int) -> None:
-    """Tell the node's agent a memory checkpoint is complete (it replicates it to a peer)."""
+def _report_to_agent(message: dict) -> None:
+    """The default report: to this worker's agent under ``ftrt launch`` (a no-op elsewhere)."""
     from ftrt.runtime import init
 
-    init().report({"t": "mem", "rank": rank, "step": step})
+    init().report(message)
 
 
 def _lower_priority(nice: int) -> None:

@@ -1,7 +1,8 @@
 """``ftrt ckpt ls|inspect|verify URL [STEP]``: look at and check checkpoints without a job.
 
 ``verify`` exits non-zero naming the bad step and file; ``ls`` marks folders without a valid
-manifest as not committed (restore ignores them).
+manifest as not committed (restore ignores them). With ``--key-file`` (or
+``$FTRT_CHECKPOINT_KEY``), only checkpoints signed under the job's key count, as at restore.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import time
 
 from ftrt.checkpoint import manifest as mf
+from ftrt.checkpoint.signing import load_key
 from ftrt.checkpoint.storage import list_steps, parse_url, step_dir
 from ftrt.errors import CheckpointCorrupt, ConfigError
 
@@ -41,7 +43,11 @@ def ckpt_main(argv: list[str]) -> int:
     p.add_argument("url", help="checkpoint URL (path, file://, s3://bucket/prefix)")
     p.add_argument("step", nargs="?", type=int, help="step (default: the newest committed)")
     p.add_argument("--storage-options", default=None, help="fsspec options as JSON")
+    p.add_argument("--key-file", default=None, metavar="FILE",
+                   help="the job's checkpoint key (also $FTRT_CHECKPOINT_KEY): only checkpoints signed under it "
+                        "count as committed and verify")
     args = p.parse_args(argv)
+    key = load_key(args.key_file)
     loc = parse_url(args.url, _storage_options(args.storage_options))
     steps = list_steps(loc)
     if args.action == "ls":
@@ -50,21 +56,23 @@ def ckpt_main(argv: list[str]) -> int:
             return 0
         for s in steps:
             try:
-                m = mf.read_manifest(loc, step_dir(s))
+                m = mf.read_manifest(loc, step_dir(s), key)
                 when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.time))
-                print(f"step {s:>10}  committed  {when}  world {m.world_size:>3}  {_human(m.total_bytes):>10}  {len(m.files)} files")
+                signed = "signed" if m.signature else "unsigned"
+                print(f"step {s:>10}  committed  {when}  world {m.world_size:>3}  {_human(m.total_bytes):>10}  "
+                      f"{len(m.files)} files  {m.checksum} {signed}")
             except CheckpointCorrupt as exc:
                 print(f"step {s:>10}  NOT COMMITTED  ({exc})")
         return 0
     step = args.step
     if step is None:
-        committed = [s for s in steps if _committed(loc, s)]
+        committed = [s for s in steps if _committed(loc, s, key)]
         if not committed:
             raise CheckpointCorrupt(f"No committed checkpoint under {args.url}.")
         step = committed[-1]
     if step not in steps:
         raise ConfigError(f"There is no checkpoint step {step} under {args.url} (steps: {steps or 'none'}).")
-    m = mf.read_manifest(loc, step_dir(step))
+    m = mf.read_manifest(loc, step_dir(step), key)
     if args.action == "inspect":
         body = json.loads(m.to_json())
         body["total_bytes"] = m.total_bytes
@@ -72,14 +80,16 @@ def ckpt_main(argv: list[str]) -> int:
         return 0
     t0 = time.monotonic()
     mf.verify_files(loc, step_dir(step), m, sorted(m.files))
-    print(f"step {step}: {len(m.files)} files, {_human(m.total_bytes)}, all sizes and checksums match "
-          f"({time.monotonic() - t0:.2f} s)")
+    signed = f", signature valid under {key.where}" if key is not None else (
+        ", signed (no key given to check it)" if m.signature else ", unsigned")
+    print(f"step {step}: {len(m.files)} files, {_human(m.total_bytes)}, all sizes and {m.checksum} sums match"
+          f"{signed} ({time.monotonic() - t0:.2f} s)")
     return 0
 
 
-def _committed(loc, step: int) -> bool:
+def _committed(loc, step: int, key=None) -> bool:
     try:
-        mf.read_manifest(loc, step_dir(step))
+        mf.read_manifest(loc, step_dir(step), key)
         return True
     except CheckpointCorrupt:
         return False

@@ -3,16 +3,23 @@
 A checkpoint folder without a complete, valid manifest does not exist for restore. DCP's own
 ``.metadata`` is a pickle and DCP keeps no checksums, so the manifest covers ``.metadata`` too, and
 restore verifies every file against it before DCP is allowed to read anything.
+
+``checksum`` says how files are summed: ``crc32`` (fast; guards against accidents) or, when the job
+has a checkpoint key, ``sha256``, and then ``signature`` is the HMAC-SHA256 of the rest of the
+manifest under the key (:mod:`ftrt.checkpoint.signing`). :func:`check_signature` is the one
+place that decides whether a manifest may be trusted under a key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
 from ftrt._version import __version__
+from ftrt.checkpoint.signing import SIGNATURE, CheckpointKey
 from ftrt.checkpoint.storage import MANIFEST, Location
 from ftrt.errors import CheckpointCorrupt
 
@@ -20,10 +27,17 @@ FORMAT = "ftrt-checkpoint/1"
 _CHUNK = 8 << 20
 
 
+CHECKSUMS = ("crc32", "sha256")
+
+
 @dataclass(frozen=True)
 class FileEntry:
     size: int
-    crc32: str
+    crc32: str = ""
+    sha256: str = ""
+
+    def digest(self, checksum: str) -> str:
+        return self.sha256 if checksum == "sha256" else self.crc32
 
 
 @dataclass
@@ -38,10 +52,30 @@ class Manifest:
     ftrt_version: str = __version__
     format: str = FORMAT
     extra: dict = field(default_factory=dict)
+    checksum: str = "crc32"
+    signature: str = ""
+    """``hmac-sha256:<hex>`` over :meth:`signed_bytes`, or empty (unsigned)."""
 
     def to_json(self) -> bytes:
         body = asdict(self)
+        for entry in body["files"].values():  # only the sum the manifest uses
+            for name in CHECKSUMS:
+                if name != self.checksum:
+                    entry.pop(name)
+        if not self.signature:
+            body.pop("signature")
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+    def signed_bytes(self) -> bytes:
+        """What the signature covers: every field but the signature, in one canonical form."""
+        body = json.loads(self.to_json())
+        body.pop("signature", None)
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    def signed(self, key: CheckpointKey) -> "Manifest":
+        if self.checksum != "sha256":
+            raise ValueError("only a manifest of SHA-256 sums may be signed (a CRC-32 can be forged)")
+        return Manifest(**{**self.__dict__, "signature": f"{SIGNATURE}:{key.sign(self.signed_bytes())}"})
 
     @property
     def total_bytes(self) -> int:
@@ -56,31 +90,55 @@ class Manifest:
             raise CheckpointCorrupt(f"The manifest {where} is not valid JSON ({exc}); it is truncated or damaged.") from None
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise CheckpointCorrupt(f"The manifest {where} is not an {FORMAT} manifest.")
+        checksum = body.get("checksum", "crc32")
+        if checksum not in CHECKSUMS:
+            raise CheckpointCorrupt(f"The manifest {where} sums its files with {checksum!r}, which this ftrt does "
+                                    f"not know (it knows {', '.join(CHECKSUMS)}).")
         try:
             files = {
-                name: FileEntry(int(v["size"]), str(v["crc32"])) for name, v in body["files"].items()
+                name: FileEntry(int(v["size"]), **{checksum: str(v[checksum])}) for name, v in body["files"].items()
             }
             return cls(
                 step=int(body["step"]), world_size=int(body["world_size"]), files=files,
                 round=int(body.get("round", 0)), time=float(body.get("time", 0.0)),
                 ftrt_version=str(body.get("ftrt_version", "")), extra=dict(body.get("extra", {})),
+                checksum=checksum, signature=str(body.get("signature", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorrupt(f"The manifest {where} is missing or has a bad field ({exc!r}).") from None
 
 
-def checksum_file(loc: Location, path: str) -> FileEntry:
-    """Size and CRC-32 of one stored file, read in chunks."""
+def checksum_file(loc: Location, path: str, checksum: str = "crc32") -> FileEntry:
+    """Size and sum (``crc32`` or ``sha256``) of one stored file, read in chunks."""
     crc = 0
+    sha = hashlib.sha256() if checksum == "sha256" else None
     size = 0
     with loc.fs.open(path, "rb") as f:
         while True:
             chunk = f.read(_CHUNK)
             if not chunk:
                 break
-            crc = zlib.crc32(chunk, crc)
+            if sha is not None:
+                sha.update(chunk)
+            else:
+                crc = zlib.crc32(chunk, crc)
             size += len(chunk)
-    return FileEntry(size, f"{crc:08x}")
+    return FileEntry(size, sha256=sha.hexdigest()) if sha is not None else FileEntry(size, f"{crc:08x}")
+
+
+def check_signature(manifest: Manifest, key: CheckpointKey | None, where: str) -> None:
+    """Raise :class:`CheckpointCorrupt` unless ``manifest`` may be trusted: with a key, only a
+    manifest of SHA-256 sums signed under that key; without one, any valid manifest."""
+    if key is None:
+        return
+    if not manifest.signature:
+        raise CheckpointCorrupt(f"{where} is not signed, but a checkpoint key is configured ({key.where}): it was "
+                                "not written by a job holding the key, so it is not trusted.")
+    scheme, _, mac = manifest.signature.partition(":")
+    if scheme != SIGNATURE or manifest.checksum != "sha256" or not key.verifies(manifest.signed_bytes(), mac):
+        raise CheckpointCorrupt(f"{where} has a signature that does not match the configured checkpoint key "
+                                f"({key.where}): it was written or changed by someone without the key, so it is "
+                                "not trusted.")
 
 
 def verify_files(loc: Location, folder: str, manifest: Manifest, names: Iterable[str]) -> None:
@@ -96,19 +154,23 @@ def verify_files(loc: Location, folder: str, manifest: Manifest, names: Iterable
             raise CheckpointCorrupt(
                 f"Checkpoint step {manifest.step}: file {name} has {size} bytes, the manifest says {want.size}."
             )
-        got = checksum_file(loc, path)
-        if got.crc32 != want.crc32:
+        got = checksum_file(loc, path, manifest.checksum).digest(manifest.checksum)
+        if got != want.digest(manifest.checksum):
             raise CheckpointCorrupt(
-                f"Checkpoint step {manifest.step}: file {name} has checksum {got.crc32}, the manifest says {want.crc32}."
+                f"Checkpoint step {manifest.step}: file {name} has {manifest.checksum} {got}, the manifest says "
+                f"{want.digest(manifest.checksum)}."
             )
 
 
-def read_manifest(loc: Location, folder: str) -> Manifest:
-    """Read and parse a folder's manifest; :class:`CheckpointCorrupt` if absent or invalid."""
+def read_manifest(loc: Location, folder: str, key: CheckpointKey | None = None) -> Manifest:
+    """Read and parse a folder's manifest; :class:`CheckpointCorrupt` if absent or invalid, or
+    (with ``key``) not signed under it."""
     path = loc.path(folder, MANIFEST)
     try:
         with loc.fs.open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
         raise CheckpointCorrupt(f"{folder} has no manifest: the save never committed.") from None
-    return Manifest.from_json(raw, f"{folder}/{MANIFEST}")
+    m = Manifest.from_json(raw, f"{folder}/{MANIFEST}")
+    check_signature(m, key, f"The checkpoint {folder}")
+    return m

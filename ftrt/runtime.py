@@ -121,6 +121,13 @@ class Runtime:
                 pass
         os._exit(0)
 
+    def report_metrics(self, **values: float) -> None:
+        """Publish training metrics (e.g. ``reward=0.41, kl=0.002``) on this node's Prometheus
+        endpoint (``ftrt launch --metrics-port``) as ``ftrt_trainer_<name>`` gauges. Names are
+        lower-case letters, digits and ``_`` (at most 48 characters, 32 names a job); call it from
+        one rank (rank 0) once a step or less. Non-blocking; a no-op outside ftrt."""
+        self.report({"t": "stats", "values": {k: float(v) for k, v in values.items()}})
+
     def report(self, message: dict) -> None:
         """Send one JSON message to the agent (non-blocking; dropped if the agent is behind)."""
         if self._report_fd < 0:
@@ -157,6 +164,11 @@ class Runtime:
             kwargs.setdefault("round_no", self.round)
         if self.launched_by_ftrt and os.environ.get("FTRT_MEM_DIR"):
             kwargs.setdefault("mem_dir", os.environ["FTRT_MEM_DIR"])
+        kwargs.setdefault("report", self.report)
+        if "key" not in kwargs:
+            from ftrt.checkpoint.signing import load_key
+
+            kwargs["key"] = load_key()  # the launcher's --checkpoint-key-file, or $FTRT_CHECKPOINT_KEY
         return Checkpointer(url, keep, storage_options, **kwargs)
 
     def cadence(self, name: str, interval: "Interval", *, max_interval_s: float, mtbf: float | None = None,

@@ -31,6 +31,7 @@ class Context:
     lab: Any = None  # ftrt.chaos.netns.NetLab when the nodes have their own network namespaces
     storage_proxy: Any = None  # ftrt.chaos.proxy.TcpProxy in front of S3 when checkpoints go there
     etcd_access: Any = None  # ftrt.store.access.EtcdAccess when etcd runs with TLS or auth
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # node -> its agent's --metrics-port
     busy: set[str] = field(default_factory=set)  # nodes a lasting fault (freeze, partition, down) holds now
 
     @staticmethod

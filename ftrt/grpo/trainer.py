@@ -1,8 +1,8 @@
 """The GRPO training loop: rollout, group advantages, clipped update, metrics, checkpoints.
 
 Runs as one process or as N data-parallel ranks (``ftrt launch ... -m ftrt.grpo``; gloo on CPU)
-and uses only ftrt's public embedding API: :func:`ftrt.init`, ``rt.checkpointer`` and
-``rt.heartbeat``.
+and uses only ftrt's public embedding API: :func:`ftrt.init`, ``rt.checkpointer``,
+``rt.heartbeat`` and ``rt.report_metrics``.
 
 Exactness rules (what makes resume and elasticity lossless):
 
@@ -243,6 +243,9 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
         if step == first_step:
             _diag.mark("first_step", step=step, step_s=dt)
         bar.update(step + 1, reward_mean, total_tokens / dt, world)
+        if rank == 0:  # Prometheus, through the node's agent (ftrt launch --metrics-port)
+            rt.report_metrics(reward_mean=reward_mean, kl=record["kl"], loss=loss_total,
+                              tokens_per_second=total_tokens / dt)
         rt.heartbeat(step + 1)
         if keep:
             # Slow storage must not slow training: a save that would queue behind an unfinished

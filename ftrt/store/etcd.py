@@ -181,6 +181,8 @@ class EtcdStore:
         self._channel: grpc.aio.Channel | None = None
         self._closed = False
         self._watch_calls: set = set()
+        self.errors = 0
+        """Failed call attempts so far, retried or not (``ftrt_etcd_errors_total``)."""
         self._token = ""  # etcd's auth token, when access names a user; "" until the first call
         self._auth_lock = asyncio.Lock()
 
@@ -295,6 +297,7 @@ class EtcdStore:
                 return await method(request, timeout=max(0.01, min(remaining, self.attempt_timeout)),
                                     metadata=metadata)
             except grpc.aio.AioRpcError as exc:
+                self.errors += 1
                 if self._token_refused(exc) and time.monotonic() < deadline:
                     stale = self._token  # expired (etcd's --auth-token-ttl): authenticate again
                     continue
@@ -449,6 +452,7 @@ class EtcdStore:
                     return float(resp.TTL)
                 raise StoreUnavailable("etcd closed the keep-alive stream without an answer.")
             except grpc.aio.AioRpcError as exc:
+                self.errors += 1
                 if self._token_refused(exc) and time.monotonic() < deadline:
                     stale = self._token
                     continue
