@@ -39,8 +39,7 @@ from ftrt.agents.fence import FenceWriter
 from ftrt.agents.health import find_hung
 from ftrt.agents.keys import JobKeys
 from ftrt.agents.membership import Taken, register, tcp_refused, update
-from ftrt.agents.metrics import AgentMetrics
-from ftrt.agents.metrics import serve as serve_metrics
+from ftrt.agents.telemetry import metrics_for
 from ftrt.agents.peers import PeerMonitor, ring_successors
 from ftrt.agents.records import NodeRecord, RoundRecord
 from ftrt.agents.rendezvous import Rendezvous
@@ -129,8 +128,8 @@ class Agent:
         self._monitor: PeerMonitor | None = None
         self._finished_at = 0.0
         self._background: set[asyncio.Task] = set()
-        self.metrics = AgentMetrics(
-            cfg.node_id, etcd_errors=lambda: getattr(self.store, "errors", 0),
+        self.metrics = metrics_for(
+            cfg.metrics_port is not None, cfg.node_id, etcd_errors=lambda: getattr(self.store, "errors", 0),
             replicas=lambda: dict(self.replicator.last_sent) if self.replicator and self.replicator.peer else None,
         )
         self._metrics_server = None
@@ -193,13 +192,15 @@ class Agent:
         endpoints = await self._connect()
         self.endpoints = endpoints
         self.token = await job_token(self.store, self.keys)
-        self.replicator = Replicator(cfg.node_id, self.mem_dir, self.token, cfg.replica_interval)
+        self.replicator = Replicator(cfg.node_id, self.mem_dir, self.token, cfg.replica_interval, cfg.agent_tls)
         self.replicator.start()
         from ftrt.agents.service import start_server
 
-        self._server, port = await start_server(self, self.host, cfg.agent_port)
+        self._server, port = await start_server(self, self.host, cfg.agent_port, cfg.agent_tls)
         self.agent_addr = f"{self.host}:{port}"
         if cfg.metrics_port is not None:
+            from ftrt.agents.metrics import serve as serve_metrics
+
             self._metrics_server, mport = serve_metrics(self.metrics, self.host, cfg.metrics_port)
             self.log.info("Prometheus metrics on http://%s:%d/metrics", self.host, mport)
         if cfg.event_log:
@@ -219,7 +220,7 @@ class Agent:
             on_change=self._poke,
         )
         await self.rdzv.start()
-        self._monitor = PeerMonitor(cfg.node_id, self._on_peer_dead, cfg.peer_check_interval)
+        self._monitor = PeerMonitor(cfg.node_id, self._on_peer_dead, cfg.peer_check_interval, cfg.agent_tls)
         self._set_state(AgentState.WAITING)
         self.log.info(
             "joined job %r as %s (agent %s, %d worker(s), etcd %s)",

@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ftrt.errors import ConfigError
+from ftrt.agents import tls as agent_tls
 from ftrt.store import access
 
 if TYPE_CHECKING:  # the config module imports pydantic; keep it off the fast start path
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--event-log", dest="event_log", default=None, metavar="FILE",
         help="append this node's events to FILE, one JSON line each")
     access.add_arguments(p.add_argument_group("etcd security (TLS and auth)"))
+    agent_tls.add_arguments(p.add_argument_group("agent security (mutual TLS between agents)"))
     add("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None, help=argparse.SUPPRESS)
     add("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=None, help=argparse.SUPPRESS)
     add("-m", "--module", dest="is_module", action="store_true", help="run TARGET as a module (python -m)")
@@ -129,6 +131,7 @@ def config_from_namespace(ns: argparse.Namespace) -> "LaunchConfig":
         exit_barrier_timeout=ns.exit_barrier_timeout, replica_interval=ns.replica_interval,
         mtbf=ns.mtbf, script_args=tuple(ns.args), etcd_access=access.from_args(ns),
         metrics_port=ns.metrics_port, event_log=ns.event_log, checkpoint_key_file=ns.checkpoint_key_file,
+        agent_tls=agent_tls.from_args(ns),
     )
     if ns.is_module:
         values["module"] = ns.target

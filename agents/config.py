@@ -14,6 +14,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ftrt.agents.keys import check_id
+from ftrt.agents.tls import AgentTls
 from ftrt.agents.workers import DEFAULT_WARM_IMPORTS, warm_imports_for
 from ftrt.errors import ConfigError
 from ftrt.store.access import EtcdAccess
@@ -94,6 +95,10 @@ class LaunchConfig(BaseModel):
         None, gt=0, description="Mean seconds between failures to plan checkpoints for (workers read it "
         "as FTRT_MTBF; a checkpoint interval of 'auto' is chosen from it). Default: observed from the "
         "job's faults so far, or one hour while there are none.",
+    )
+    agent_tls: AgentTls = Field(
+        default_factory=AgentTls,
+        description="Mutual TLS between agents (--tls-cert/--tls-key/--tls-ca); plaintext when empty.",
     )
     checkpoint_key_file: Optional[str] = Field(
         None, description="File holding the job's checkpoint key: workers' checkpoints are summed with SHA-256 and "

@@ -18,6 +18,7 @@ import grpc
 import grpc.aio
 
 from ftrt.agents.membership import tcp_refused
+from ftrt.agents.tls import PLAINTEXT, AgentTls
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,10 @@ class PeerMonitor:
         node_id: str,
         on_dead: Callable[[str, str], Awaitable[None]],
         interval: float = 0.5,
+        tls: AgentTls = PLAINTEXT,
     ) -> None:
         self.node_id = node_id
+        self.tls = tls
         self.on_dead = on_dead
         self.interval = interval
         self._tasks: dict[tuple[str, str], asyncio.Task] = {}
@@ -62,7 +65,7 @@ class PeerMonitor:
     async def _follow(self, node_id: str, addr: str) -> None:
         while True:
             try:
-                async with grpc.aio.insecure_channel(addr) as channel:
+                async with self.tls.channel(addr) as channel:
                     stub = agent_pb2_grpc.AgentServiceStub(channel)
                     call = stub.Liveness(
                         agent_pb2.LivenessRequest(from_node_id=self.node_id, interval_s=self.interval)

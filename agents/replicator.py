@@ -33,6 +33,7 @@ import grpc.aio
 
 from ftrt.agents.auth import JobToken
 from ftrt.agents.keys import check_id
+from ftrt.agents.tls import PLAINTEXT, AgentTls
 from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
 from ftrt.checkpoint.memindex import check_index
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
@@ -65,8 +66,10 @@ def make_mem_dir() -> str:
 class Replicator:
     """Sends this node's newest memory checkpoints to one peer agent."""
 
-    def __init__(self, node_id: str, mem_dir: str, token: JobToken, interval: float = 0.0) -> None:
+    def __init__(self, node_id: str, mem_dir: str, token: JobToken, interval: float = 0.0,
+                 tls: AgentTls = PLAINTEXT) -> None:
         self.node_id = node_id
+        self.tls = tls
         self.mem_dir = mem_dir
         self.token = token
         self.interval = interval
@@ -165,7 +168,7 @@ class Replicator:
             await self._channel[1].close()
             self._channel = None
         if self._channel is None:
-            self._channel = (peer, grpc.aio.insecure_channel(peer))
+            self._channel = (peer, self.tls.channel(peer))
         return self._channel[1]
 
     async def close(self) -> None:

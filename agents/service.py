@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 import grpc.aio
 
+from ftrt.agents.tls import PLAINTEXT, AgentTls
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
 
 if TYPE_CHECKING:
@@ -96,11 +97,16 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
 
 
-async def start_server(agent: "Agent", host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start the service on ``host:port`` (0: a free port); return the server and its port."""
+async def start_server(agent: "Agent", host: str, port: int, tls: AgentTls = PLAINTEXT
+                       ) -> tuple[grpc.aio.Server, int]:
+    """Start the service on ``host:port`` (0: a free port), with mutual TLS when ``tls`` is
+    enabled; return the server and its port."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(agent), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls.enabled:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         from ftrt.errors import ConfigError
 
@@ -109,15 +115,15 @@ async def start_server(agent: "Agent", host: str, port: int) -> tuple[grpc.aio.S
     return server, bound
 
 
-async def health(addr: str, timeout: float = 1.0) -> agent_pb2.HealthResponse:
+async def health(addr: str, timeout: float = 1.0, tls: AgentTls = PLAINTEXT) -> agent_pb2.HealthResponse:
     """Ask the agent at ``addr`` for its health (raises grpc.aio.AioRpcError on failure)."""
-    async with grpc.aio.insecure_channel(addr) as channel:
+    async with tls.channel(addr) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         return await stub.Health(agent_pb2.HealthRequest(), timeout=timeout)
 
 
-async def status(addr: str, timeout: float = 1.0) -> agent_pb2.StatusResponse:
+async def status(addr: str, timeout: float = 1.0, tls: AgentTls = PLAINTEXT) -> agent_pb2.StatusResponse:
     """Ask the agent at ``addr`` for its status."""
-    async with grpc.aio.insecure_channel(addr) as channel:
+    async with tls.channel(addr) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         return await stub.Status(agent_pb2.StatusRequest(), timeout=timeout)

@@ -17,6 +17,8 @@ import time
 from ftrt.agents.events import recent_events
 from ftrt.agents.keys import JobKeys, check_id
 from ftrt.agents.records import DeciderRecord, JobState, NodeRecord, RoundRecord, decode
+from ftrt.agents import tls as tls_flags
+from ftrt.agents.tls import PLAINTEXT, AgentTls
 from ftrt.store import access as etcd_access
 from ftrt.store.access import EtcdAccess
 from ftrt.store.api import Get
@@ -24,7 +26,7 @@ from ftrt.store.etcd import EtcdStore
 
 
 async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout: float = 3.0,
-                         access: EtcdAccess = EtcdAccess()) -> dict:
+                         access: EtcdAccess = EtcdAccess(), agent_tls: AgentTls = PLAINTEXT) -> dict:
     """Gather a job's status as a plain dict."""
     keys = JobKeys(job_id)
     store = EtcdStore(endpoints, timeout=timeout, access=access)
@@ -49,7 +51,7 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
         latest = json.loads(ptr_kv.value) if ptr_kv else None
     finally:
         await store.close()
-    workers = await _agent_workers([n for n in nodes.values() if rnd and rnd.member(n.node_id)])
+    workers = await _agent_workers([n for n in nodes.values() if rnd and rnd.member(n.node_id)], agent_tls)
     if job is not None:
         state = job.state
     elif rnd is None:
@@ -70,12 +72,12 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
     }
 
 
-async def _agent_workers(nodes: list[NodeRecord]) -> dict[str, list[dict]]:
+async def _agent_workers(nodes: list[NodeRecord], tls: AgentTls) -> dict[str, list[dict]]:
     from ftrt.agents.service import status
 
     async def one(node: NodeRecord):
         try:
-            resp = await status(node.agent_addr, timeout=1.0)
+            resp = await status(node.agent_addr, timeout=1.0, tls=tls)
         except Exception as exc:  # an unreachable agent is part of the answer, not an error
             return node.node_id, [{"error": f"agent unreachable: {type(exc).__name__}"}]
         return node.node_id, [
@@ -140,14 +142,14 @@ def render_event(e: dict) -> str:
 
 
 async def watch_status(endpoints: str, job_id: str, *, access: EtcdAccess = EtcdAccess(), events: int = 10,
-                       as_json: bool = False, out=print) -> str:
+                       as_json: bool = False, out=print, agent_tls: AgentTls = PLAINTEXT) -> str:
     """Print the status, then every event and round change as etcd records it, until the job
     succeeds or fails; return its final state."""
     keys = JobKeys(job_id)
     store = EtcdStore(endpoints, timeout=3.0, access=access)
     try:
         _, revision = await store.get(keys.round)
-        st = await collect_status(endpoints, job_id, events, access=access)
+        st = await collect_status(endpoints, job_id, events, access=access, agent_tls=agent_tls)
         out(json.dumps(st) if as_json else render(st))
         if st["job"]:
             return st["job"]["state"]
@@ -188,16 +190,18 @@ def status_main(argv: list[str]) -> int:
     p.add_argument("--watch", action="store_true",
                    help="then follow the job live: each event and round change, until it ends (Ctrl-C stops)")
     etcd_access.add_arguments(p.add_argument_group("etcd security (TLS and auth)"))
+    tls_flags.add_arguments(p.add_argument_group("agents' mutual TLS (to ask them for their workers)"))
     args = p.parse_args(argv)
     check_id("job id", args.job_id)
     access = etcd_access.from_args(args)
+    tls = tls_flags.from_args(args)
     if args.watch:
         try:
             asyncio.run(watch_status(args.etcd, args.job_id, access=access, events=args.events, as_json=args.json,
-                                     out=lambda line: print(line, flush=True)))
+                                     out=lambda line: print(line, flush=True), agent_tls=tls))
         except KeyboardInterrupt:
             pass
         return 0
-    st = asyncio.run(collect_status(args.etcd, args.job_id, args.events, access=access))
+    st = asyncio.run(collect_status(args.etcd, args.job_id, args.events, access=access, agent_tls=tls))
     print(json.dumps(st, indent=2) if args.json else render(st))
     return 0

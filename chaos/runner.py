@@ -112,12 +112,22 @@ class ChaosRun:
             return etcd, None
         return etcd, member.secure_access(self.work, "chaos" if security == "tls+auth" else None)
 
+    def _agent_tls(self):
+        """The agents' mutual TLS for this run (one certificate for all, from the run's CA), or None."""
+        if not self.sc.cluster.agent_tls:
+            return None
+        from ftrt.agents.tls import AgentTls
+        from ftrt.store.certs import tls_dir
+
+        files = tls_dir(self.work / "tls")
+        return AgentTls(str(files.server_cert), str(files.server_key), str(files.ca)).check()
+
     def _launch_args(self, endpoints: str, job_id: str, run: str, max_nodes: int, ckpt: dict,
-                     access=None) -> list[str]:
+                     access=None, agent_flags: list[str] | None = None) -> list[str]:
         c = self.sc.cluster
         grpo = {**self.sc.job.grpo, "steps": self.sc.steps, "progress": "none", "seed": self.seed,
                 "metrics_path": str(self.work / f"{run}-metrics.jsonl"), **ckpt}
-        return ["--etcd", endpoints, *(access.flags() if access else []), "--job-id", job_id, "--nnodes", f"{c.min_nodes or 1}:{max_nodes}",
+        return ["--etcd", endpoints, *(access.flags() if access else []), *(agent_flags or []), "--job-id", job_id, "--nnodes", f"{c.min_nodes or 1}:{max_nodes}",
                 "--nproc-per-node", str(c.workers_per_node), "--lease-ttl", str(c.lease_ttl),
                 "--hang-timeout", str(c.hang_timeout), "--first-round-wait", "5",
                 *(["--mtbf", f"{mtbf:g}"] if (mtbf := self.sc.agent_mtbf()) is not None else []), "-m", "ftrt.grpo",
@@ -150,7 +160,9 @@ class ChaosRun:
                         "checkpoint.storage_options": s3.storage_options(f"http://{proxy.endpoint}")}
                 verify_opts = s3.storage_options()
             job_id = f"chaos-{run}"
-            args = self._launch_args(endpoints, job_id, run, max_nodes, ckpt, access)
+            agent_tls = self._agent_tls()
+            args = self._launch_args(endpoints, job_id, run, max_nodes, ckpt, access,
+                                     agent_tls.flags() if agent_tls else [])
             metrics = self.work / f"{run}-metrics.jsonl"
 
             ports: dict[str, int] = {}
@@ -174,7 +186,8 @@ class ChaosRun:
             for i in range(sc.cluster.nodes):
                 nodes[f"node{i}"] = start_node(f"node{i}")
             ctx = Context(nodes, etcd, endpoints, job_id, self.work / f"{run}-ckpt", self.rng, start_node,
-                          lab=lab, storage_proxy=proxy, etcd_access=access, metrics_ports=ports)
+                          lab=lab, storage_proxy=proxy, etcd_access=access, metrics_ports=ports,
+                          agent_tls=agent_tls)
             self._drive(ctx, faults, metrics, deadline, res)
             res.codes = {n: node.proc.poll() for n, node in nodes.items() if n not in ctx.killed}
             res.stale = asyncio.run(_leased_keys(endpoints, job_id, access))

@@ -64,6 +64,8 @@ class Cluster(_Strict):
         "none", description="etcd serves clients over TLS with client certificates (a CA made for the run), "
         "and with tls+auth also requires a user and password; the agents get --etcd https://... and the "
         "--etcd-* access flags, as on a production cluster")
+    agent_tls: bool = Field(False, description="agents speak mutual TLS to each other (--tls-cert/--tls-key/--tls-ca, "
+                            "certificates made for the run)")
 
 
 class Job(_Strict):

@@ -38,9 +38,12 @@ class Context:
     def node_index(node_id: str) -> int:
         return int(node_id.removeprefix("node"))
 
+    agent_tls: Any = None  # ftrt.agents.tls.AgentTls when agents speak mutual TLS
+
     def status_access(self) -> dict:
-        """Keyword arguments that give a status query this cluster's etcd credentials."""
-        return {"access": self.etcd_access} if self.etcd_access is not None else {}
+        """Keyword arguments that give a status query this cluster's etcd and agent credentials."""
+        out = {"access": self.etcd_access} if self.etcd_access is not None else {}
+        return {**out, "agent_tls": self.agent_tls} if self.agent_tls is not None else out
 
     def alive_nodes(self) -> list[str]:
         return sorted(n for n, node in self.nodes.items() if node.alive())

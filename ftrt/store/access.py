@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ftrt.errors import ConfigError
+from ftrt.tlsfiles import check_ca, check_pair, read_file
 
 ENV_CACERT = "FTRT_ETCD_CACERT"
 ENV_CERT = "FTRT_ETCD_CERT"
@@ -71,26 +72,11 @@ class EtcdAccess:
 
     def check(self) -> None:
         """Raise :class:`ConfigError` on the first setting that cannot work (see the module)."""
-        for flag, path in (("--etcd-cacert", self.cacert), ("--etcd-cert", self.cert), ("--etcd-key", self.key),
-                           ("--etcd-password-file", self.password_file)):
-            if path:
-                _readable(flag, path)
-        if bool(self.cert) != bool(self.key):
-            given, missing = ("--etcd-cert", "--etcd-key") if self.cert else ("--etcd-key", "--etcd-cert")
-            raise ConfigError(f"{given} was given without {missing}: a client certificate needs its private key "
-                              "and the key its certificate; pass both or neither.")
         if self.cacert:
-            try:
-                ssl.create_default_context(cafile=self.cacert)
-            except (ssl.SSLError, ValueError) as exc:
-                raise ConfigError(f"--etcd-cacert {self.cacert} holds no usable PEM CA certificate ({exc}); "
-                                  "give the CA file that signed etcd's server certificate.") from exc
-        if self.cert:
-            try:
-                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(self.cert, self.key)
-            except ssl.SSLError as exc:
-                raise ConfigError(f"--etcd-cert {self.cert} and --etcd-key {self.key} are not a PEM certificate "
-                                  f"and its matching private key ({exc.reason or exc}); check both files.") from exc
+            check_ca("--etcd-cacert", self.cacert, "etcd's server certificate")
+        check_pair("--etcd-cert", self.cert, "--etcd-key", self.key)
+        if self.password_file:
+            read_file("--etcd-password-file", self.password_file)
         if self.user and not self.password and not self.password_file:
             raise ConfigError(f"--etcd-user {self.user!r} has no password: set {ENV_PASSWORD} or pass "
                               "--etcd-password-file FILE (a password is never taken from the command line).")
@@ -104,7 +90,7 @@ class EtcdAccess:
             return self.password
         if not self.password_file:
             return ""
-        text = _readable("--etcd-password-file", self.password_file).decode("utf-8", "replace")
+        text = read_file("--etcd-password-file", self.password_file).decode("utf-8", "replace")
         line = text.splitlines()[0] if text else ""
         if not line:
             raise ConfigError(f"--etcd-password-file {self.password_file} is empty; put the password of etcd user "
@@ -115,7 +101,7 @@ class EtcdAccess:
         """gRPC channel credentials for TLS (call only when :attr:`uses_tls`)."""
         import grpc
 
-        read = (lambda flag, path: _readable(flag, path) if path else None)
+        read = (lambda flag, path: read_file(flag, path) if path else None)
         return grpc.ssl_channel_credentials(
             root_certificates=read("--etcd-cacert", self.cacert),
             private_key=read("--etcd-key", self.key),
@@ -144,19 +130,6 @@ class EtcdAccess:
         return {ENV_CACERT: absolute(self.cacert), ENV_CERT: absolute(self.cert), ENV_KEY: absolute(self.key),
                 ENV_USER: self.user, ENV_PASSWORD_FILE: absolute(self.password_file),
                 ENV_TLS: "1" if self.uses_tls else ""}
-
-
-def _readable(flag: str, path: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{flag} {path} does not exist; give the path of an existing file.") from exc
-    except IsADirectoryError as exc:
-        raise ConfigError(f"{flag} {path} is a directory; give the path of a file.") from exc
-    except PermissionError as exc:
-        raise ConfigError(f"{flag} {path} cannot be read by this user ({exc.strerror}); fix its permissions.") from exc
-    except OSError as exc:
-        raise ConfigError(f"{flag} {path} cannot be read ({exc.strerror}).") from exc
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> EtcdAccess:
