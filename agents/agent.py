@@ -385,6 +385,12 @@ class Agent:
         """A worker's checkpoint, restore or trainer report: metrics, and events for the rare ones."""
         self.metrics.report(msg)
         kind = msg.get("t")
+        try:
+            self._report_event(worker, kind, msg)
+        except (TypeError, ValueError):
+            self.log.debug("ignored a malformed %s report from rank %s", kind, worker.rank)
+
+    def _report_event(self, worker: Worker, kind, msg: dict) -> None:
         if kind == "restore":
             self._events.emit("restore", f"rank {worker.rank} restored step {msg.get('step')} from "
                               f"{msg.get('tier')} in {float(msg.get('seconds', 0)):.2f} s", rank=worker.rank,
@@ -526,7 +532,7 @@ class Agent:
         self.worker_round, self._worker_record = rnd.round, rnd
         self._set_state(AgentState.RUNNING)
         self.metrics.round_started(rnd.round, rnd.world_size, len(rnd.members), rnd.reason, first=previous is None,
-                                   fault=previous is not None and rnd.faults > previous.faults)
+                                   fault=previous is not None and rnd.faults > previous.faults, written=rnd.created)
         self._events.emit("workers_started", f"ranks {offset}-{offset + len(workers) - 1} of {rnd.world_size} "
                           f"started ({rnd.reason})", ranks=[offset + i for i in range(len(workers))],
                           world_size=rnd.world_size)
@@ -595,6 +601,7 @@ class Agent:
             self._event_file.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         if self.session is not None:
             await self.session.close()
         if self._server is not None:

@@ -55,9 +55,10 @@ class AgentMetrics:
 
     def __init__(self, node_id: str, *, etcd_errors: Callable[[], int],
                  replicas: Callable[[], dict[int, int] | None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.node_id = node_id
         self.clock = clock
+        self.wall = wall
         self.registry = CollectorRegistry()
         r = self.registry
         self.round = Gauge("ftrt_round", "The rendezvous round this node's workers run in.", registry=r)
@@ -104,8 +105,9 @@ class AgentMetrics:
             self._fault_at = self.clock()
 
     def round_started(self, round_no: int, world_size: int, nodes: int, reason: str, *, first: bool,
-                      fault: bool) -> None:
-        """This node's workers start in a new round (``first``: the job's first for this node)."""
+                      fault: bool, written: float = 0.0) -> None:
+        """This node's workers start in a new round (``first``: the job's first for this node;
+        ``written``: the wall time the round was written, the fault's mark without local evidence)."""
         self.round.set(round_no)
         self.world_size.set(world_size)
         self.nodes.set(nodes)
@@ -114,7 +116,7 @@ class AgentMetrics:
         if fault:
             self._recovering_round = round_no
             if self._fault_at is None:  # no local evidence: the round's writing is the first sign here
-                self._fault_at = self.clock()
+                self._fault_at = self.clock() - max(0.0, self.wall() - written) if written else self.clock()
         else:
             self._fault_at = None
         with self._lock:

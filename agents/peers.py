@@ -63,6 +63,7 @@ class PeerMonitor:
                 self._tasks[key] = asyncio.create_task(self._follow(*key), name=f"peer-{key[0]}")
 
     async def _follow(self, node_id: str, addr: str) -> None:
+        warned_tls = False
         while True:
             try:
                 async with self.tls.channel(addr) as channel:
@@ -73,6 +74,10 @@ class PeerMonitor:
                     async for _ in call:
                         pass
             except grpc.aio.AioRpcError as exc:
+                if "andshake" in (exc.details() or "") and warned_tls is False:
+                    warned_tls = True  # death is then seen only when the lease expires: say why, once
+                    log.warning("the TLS handshake with %s's agent at %s failed (%s); check that its certificate "
+                                "names that address and that both use the job's CA", node_id, addr, exc.details())
                 log.debug("liveness stream to %s broke: %s", node_id, exc.code().name)
             if await tcp_refused(addr):
                 await self.on_dead(node_id, f"its agent at {addr} refuses connections")

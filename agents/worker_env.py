@@ -64,6 +64,7 @@ def worker_env(
         "FTRT_JOB_STARTED": repr(rnd.job_started or rnd.created),
         "FTRT_MTBF": "" if mtbf is None else repr(float(mtbf)),
         **etcd_access.env(),
-        # The path of the checkpoint key, never the key (ftrt.checkpoint.signing).
-        "FTRT_CHECKPOINT_KEY_FILE": checkpoint_key_file or "",
+        # The path of the checkpoint key, never the key (ftrt.checkpoint.signing); without the flag
+        # an operator's own FTRT_CHECKPOINT_KEY(_FILE) reaches the worker with the agent's environment.
+        **({"FTRT_CHECKPOINT_KEY_FILE": checkpoint_key_file} if checkpoint_key_file else {}),
     }

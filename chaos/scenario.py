@@ -148,6 +148,9 @@ class Scenario(_Strict):
                 raise ValueError(f"faults.{i}: {f.kind} damages local files; it needs cluster.storage: local")
             if f.at_step is not None and f.at_step >= self.steps:
                 raise ValueError(f"faults.{i}.at_step {f.at_step} is not before the last step ({self.steps - 1})")
+        if self.cluster.netns and (self.cluster.etcd_security != "none" or self.cluster.agent_tls):
+            raise ValueError("cluster.etcd_security and cluster.agent_tls need loopback nodes: the run's "
+                             "certificates name loopback addresses only, so they cannot go with cluster.netns")
         if self.storm is not None:
             for kind in self.storm.kinds:
                 if kind not in STORM_KINDS:

@@ -427,6 +427,15 @@ class Checkpointer:
         except CheckpointCorrupt:
             return False
 
+    def _valid_unsigned(self, folder: str) -> bool:
+        """Whether ``folder`` holds a manifest that is valid except for its signature (written
+        without this job's key: untrusted, and kept)."""
+        try:
+            mf.read_manifest(self.loc, folder)
+            return True
+        except CheckpointCorrupt:
+            return False
+
     def _committed_or_unknown(self, folder: str, step: int) -> bool:
         try:
             if not self._committed(folder):
@@ -505,6 +514,8 @@ class Checkpointer:
             for s in steps:
                 if s in keep or s > newest:
                     continue  # never the kept ones, nor a save that may still be in flight
+                if self.key is not None and self._valid_unsigned(step_dir(s)):
+                    continue  # not trusted under this key, but not ours to delete either
                 self.loc.fs.rm(self.loc.path(step_dir(s)), recursive=True)
                 log.debug("deleted checkpoint step %d", s)
         except Exception as exc:

@@ -2,7 +2,10 @@
 
 ``verify`` exits non-zero naming the bad step and file; ``ls`` marks folders without a valid
 manifest as not committed (restore ignores them). With ``--key-file`` (or
-``$FTRT_CHECKPOINT_KEY``), only checkpoints signed under the job's key count, as at restore.
+``$FTRT_CHECKPOINT_KEY``), only checkpoints signed under the job's key count, as at restore. With
+``--etcd EP --job-id J`` (and the ``--etcd-*`` access flags of a secured etcd), the job's
+``latest`` pointer is read too: ``ls`` marks it, steps above it are not trusted (as at restore),
+and ``verify``/``inspect`` default to the newest committed step at or below it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 
 from ftrt.checkpoint import manifest as mf
 from ftrt.checkpoint.signing import load_key
+from ftrt.store import access as etcd_access
 from ftrt.checkpoint.storage import list_steps, parse_url, step_dir
 from ftrt.errors import CheckpointCorrupt, ConfigError
 
@@ -46,9 +50,13 @@ def ckpt_main(argv: list[str]) -> int:
     p.add_argument("--key-file", default=None, metavar="FILE",
                    help="the job's checkpoint key (also $FTRT_CHECKPOINT_KEY): only checkpoints signed under it "
                         "count as committed and verify")
+    p.add_argument("--etcd", default=None, metavar="HOST:PORT[,...]", help="the job's etcd, to read its latest pointer")
+    p.add_argument("--job-id", default=None, help="the job whose latest pointer to read (with --etcd)")
+    etcd_access.add_arguments(p.add_argument_group("etcd security (TLS and auth)"))
     args = p.parse_args(argv)
     key = load_key(args.key_file)
     loc = parse_url(args.url, _storage_options(args.storage_options))
+    latest = _pointer(args) if args.etcd else None
     steps = list_steps(loc)
     if args.action == "ls":
         if not steps:
@@ -59,14 +67,18 @@ def ckpt_main(argv: list[str]) -> int:
                 m = mf.read_manifest(loc, step_dir(s), key)
                 when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.time))
                 signed = "signed" if m.signature else "unsigned"
+                mark = "" if not args.etcd else ("  <- the job's latest" if s == latest else
+                                                 "  (above the job's latest: not trusted)" if latest is None or
+                                                 s > latest else "")
                 print(f"step {s:>10}  committed  {when}  world {m.world_size:>3}  {_human(m.total_bytes):>10}  "
-                      f"{len(m.files)} files  {m.checksum} {signed}")
+                      f"{len(m.files)} files  {m.checksum} {signed}{mark}")
             except CheckpointCorrupt as exc:
                 print(f"step {s:>10}  NOT COMMITTED  ({exc})")
         return 0
     step = args.step
     if step is None:
-        committed = [s for s in steps if _committed(loc, s, key)]
+        committed = [s for s in steps if (not args.etcd or (latest is not None and s <= latest))
+                     and _committed(loc, s, key)]
         if not committed:
             raise CheckpointCorrupt(f"No committed checkpoint under {args.url}.")
         step = committed[-1]
@@ -85,6 +97,21 @@ def ckpt_main(argv: list[str]) -> int:
     print(f"step {step}: {len(m.files)} files, {_human(m.total_bytes)}, all sizes and {m.checksum} sums match"
           f"{signed} ({time.monotonic() - t0:.2f} s)")
     return 0
+
+
+def _pointer(args: argparse.Namespace) -> int | None:
+    """The step the job's ``latest`` pointer in etcd names (None: nothing committed in the job)."""
+    from ftrt.agents.keys import check_id
+    from ftrt.checkpoint.pointer import LatestPointer
+
+    if not args.job_id:
+        raise ConfigError("--etcd needs --job-id: the job whose latest pointer to read.")
+    check_id("job id", args.job_id)
+    ptr = LatestPointer(args.etcd, args.job_id, 0, args.url, access=etcd_access.from_args(args))
+    try:
+        return ptr.latest()
+    finally:
+        ptr.close()
 
 
 def _committed(loc, step: int, key=None) -> bool:

@@ -20,7 +20,7 @@ from typing import Iterable
 
 from ftrt._version import __version__
 from ftrt.checkpoint.signing import SIGNATURE, CheckpointKey
-from ftrt.checkpoint.storage import MANIFEST, Location
+from ftrt.checkpoint.storage import MANIFEST, Location, step_dir
 from ftrt.errors import CheckpointCorrupt
 
 FORMAT = "ftrt-checkpoint/1"
@@ -173,4 +173,8 @@ def read_manifest(loc: Location, folder: str, key: CheckpointKey | None = None) 
         raise CheckpointCorrupt(f"{folder} has no manifest: the save never committed.") from None
     m = Manifest.from_json(raw, f"{folder}/{MANIFEST}")
     check_signature(m, key, f"The checkpoint {folder}")
+    named = folder.rstrip("/").rsplit("/", 1)[-1]
+    if named != step_dir(m.step):
+        raise CheckpointCorrupt(f"The manifest in {folder} is the one of step {m.step}: a checkpoint copied under "
+                                "another step's name is not trusted.")
     return m

@@ -6,13 +6,16 @@ worker of an older round (say, of a node that froze and thawed) therefore can ne
 checkpoint the latest; its manifest is withdrawn again. At restore, checkpoints newer than the
 pointer are not trusted.
 
-The checkpointer's threads are synchronous, so each call runs a short event loop of its own.
+The checkpointer's threads are synchronous: the pointer keeps one event loop on a daemon thread
+of its own, and one etcd store on it for its lifetime (one connection, and under etcd auth one
+authentication, rather than one per call).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 from ftrt.agents.keys import JobKeys
@@ -34,20 +37,27 @@ class LatestPointer:
         self.round_no = round_no
         self.url = url
         self.timeout = timeout
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ftrt-pointer", daemon=True)
+        self._thread.start()
+        self._store = EtcdStore(endpoints, timeout=timeout, access=access)  # its channel opens on first use
 
     @property
     def key(self) -> str:
         return f"{self.keys.ckpt}latest"
 
     def _run(self, coro_fn):
-        async def go():
-            store = EtcdStore(self.endpoints, timeout=self.timeout, access=self.access)
-            try:
-                return await coro_fn(store)
-            finally:
-                await store.close()
+        """Run ``coro_fn(store)`` on the pointer's loop; callers on any thread, one at a time each."""
+        return asyncio.run_coroutine_threadsafe(coro_fn(self._store), self._loop).result()
 
-        return asyncio.run(go())
+    def close(self) -> None:
+        """Close the etcd connection and stop the loop's thread. Idempotent."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._store.close(), self._loop).result(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
 
     def check_round(self) -> None:
         """Raise :class:`RoundChanged` if the job's round is no longer ours."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ftrt.errors import ConfigError
 from ftrt.store.access import ENV_PASSWORD
-from ftrt.store.etcd_server import EtcdServer
+from ftrt.store.etcd_server import EtcdServer, write_secret
 
 
 def etcd_main(argv: list[str]) -> int:
@@ -40,6 +40,9 @@ def etcd_main(argv: list[str]) -> int:
                              f"from ${ENV_PASSWORD} or --password-file (root's is written to DIR/root-password)")
     parser.add_argument("--password-file", default=None, metavar="FILE", help="file with --auth-user's password")
     args = parser.parse_args(argv)
+    if args.auth_user == "root":
+        raise ConfigError("--auth-user root: etcd's root user is made for you (its password goes to DIR/root-password); "
+                          "name the job's user something else.")
     if args.auth_user and not args.tls:
         raise ConfigError("--auth-user needs --tls DIR: etcd's passwords must not cross the network in plaintext.")
     if args.auth_user and args.data_dir and Path(args.data_dir).exists() and any(Path(args.data_dir).iterdir()):
@@ -80,9 +83,7 @@ def etcd_main(argv: list[str]) -> int:
     try:
         if args.auth_user:
             root = secrets.token_urlsafe(24)
-            path = Path(args.tls) / "root-password"
-            path.write_text(root + "\n")
-            path.chmod(0o600)
+            write_secret(Path(args.tls) / "root-password", root)
             server.enable_auth(root, {args.auth_user: password})
         print(f"etcd is serving on {server.url} (data in {server.data_dir}); Ctrl-C stops it.", flush=True)
         if tls is not None:

@@ -80,9 +80,8 @@ class EtcdAccess:
         if self.user and not self.password and not self.password_file:
             raise ConfigError(f"--etcd-user {self.user!r} has no password: set {ENV_PASSWORD} or pass "
                               "--etcd-password-file FILE (a password is never taken from the command line).")
-        if (self.password or self.password_file) and not self.user:
-            raise ConfigError(f"An etcd password was given ({ENV_PASSWORD} or --etcd-password-file) without "
-                              "--etcd-user; name the user it belongs to.")
+        if self.password_file and not self.user:
+            raise ConfigError("--etcd-password-file was given without --etcd-user; name the user it belongs to.")
 
     def secret(self) -> str:
         """The user's password (from the variable, else the file's first line)."""
@@ -127,9 +126,12 @@ class EtcdAccess:
         password only as its file's path, or not at all when it came from the variable, which the
         child inherits)."""
         absolute = (lambda p: str(Path(p).absolute()) if p else "")
-        return {ENV_CACERT: absolute(self.cacert), ENV_CERT: absolute(self.cert), ENV_KEY: absolute(self.key),
-                ENV_USER: self.user, ENV_PASSWORD_FILE: absolute(self.password_file),
-                ENV_TLS: "1" if self.uses_tls else ""}
+        env = {ENV_CACERT: absolute(self.cacert), ENV_CERT: absolute(self.cert), ENV_KEY: absolute(self.key),
+               ENV_USER: self.user, ENV_PASSWORD_FILE: absolute(self.password_file),
+               ENV_TLS: "1" if self.uses_tls else ""}
+        if self.password_file:
+            env[ENV_PASSWORD] = ""  # the file is the source, in the worker as in the agent
+        return env
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> EtcdAccess:
@@ -155,6 +157,8 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
 def from_args(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> EtcdAccess:
     """The access the flags of :func:`add_arguments` give, each flag over its variable; checked."""
     base = from_env(environ)
+    if not (ns.etcd_user or base.user):
+        base = EtcdAccess(**{**base.__dict__, "password": ""})  # a stray variable, for some other tool
     access = EtcdAccess(
         cacert=ns.etcd_cacert or base.cacert, cert=ns.etcd_cert or base.cert, key=ns.etcd_key or base.key,
         user=ns.etcd_user or base.user, password_file=ns.etcd_password_file or base.password_file,

@@ -54,10 +54,12 @@ _TRANSIENT = {
     grpc.StatusCode.INTERNAL,  # "RST_STREAM" when a member dies mid-call
 }
 _LEASE_NOT_FOUND = "requested lease not found"
-_TOKEN_EXPIRED = ("invalid auth token", "auth token")  # etcd's words for an expired or unknown token
+_TOKEN_EXPIRED = ("invalid auth token", "auth token", "revision of auth store is old")
+"""etcd's words for a token to replace: expired or unknown, or issued before an RBAC change."""
+_WATCH_DENIED = "permission denied"  # etcd < 3.5.5 cancels a watch with a stale token this way
 _AUTH_NOT_ENABLED = "authentication is not enabled"
 _HANDSHAKE = ("handshake", "CERTIFICATE_VERIFY_FAILED", "certificate verify failed", "WRONG_VERSION_NUMBER",
-              "tlsv1 alert", "alert certificate", "SSL_ERROR")
+              "tlsv1 alert", "alert certificate")
 _COMPARE_RESULT = {
     "==": rpc.Compare.EQUAL,
     "!=": rpc.Compare.NOT_EQUAL,
@@ -183,6 +185,7 @@ class EtcdStore:
         self._watch_calls: set = set()
         self.errors = 0
         """Failed call attempts so far, retried or not (``ftrt_etcd_errors_total``)."""
+        self._connected = False  # a call succeeded: a handshake failure from now on is transient
         self._token = ""  # etcd's auth token, when access names a user; "" until the first call
         self._auth_lock = asyncio.Lock()
 
@@ -271,8 +274,8 @@ class EtcdStore:
         meeting TLS): a wrong CA, a server certificate for another name, a missing client
         certificate. Waiting does not fix those."""
         details = exc.details() or ""
-        if exc.code() != grpc.StatusCode.UNAVAILABLE or not any(m in details for m in _HANDSHAKE):
-            return
+        if self._connected or exc.code() != grpc.StatusCode.UNAVAILABLE or not any(m in details for m in _HANDSHAKE):
+            return  # once connected, a failed handshake is a member restarting: retried like any outage
         if self.access.uses_tls:
             hint = (f"check that --etcd-cacert {self.access.cacert or '(system roots)'} is the CA that signed "
                     f"etcd's certificate, that the certificate names {self.endpoints[0][0]!r}, that etcd serves "
@@ -294,8 +297,10 @@ class EtcdStore:
             method = getattr(getattr(self, stub_name), method_name)
             remaining = deadline - time.monotonic()
             try:
-                return await method(request, timeout=max(0.01, min(remaining, self.attempt_timeout)),
+                resp = await method(request, timeout=max(0.01, min(remaining, self.attempt_timeout)),
                                     metadata=metadata)
+                self._connected = True
+                return resp
             except grpc.aio.AioRpcError as exc:
                 self.errors += 1
                 if self._token_refused(exc) and time.monotonic() < deadline:
@@ -484,6 +489,7 @@ class EtcdStore:
         next_rev = start_revision
         delay = 0.02
         stale = ""
+        reauthed = False  # a cancelled creation already got a fresh token: a second one is a real refusal
         while not self._closed:
             auth = await self._metadata(time.monotonic() + self.timeout, stale)
             create = rpc.WatchCreateRequest(
@@ -509,13 +515,20 @@ class EtcdStore:
                             f"compacted history up to {resp.compact_revision}.",
                             resp.compact_revision,
                         )
-                    if resp.canceled and any(m in resp.cancel_reason for m in _TOKEN_EXPIRED):
-                        stale = self._token  # the token expired between re-watches: authenticate again
+                    if resp.canceled and self.access.user and not reauthed and (
+                            any(m in resp.cancel_reason for m in _TOKEN_EXPIRED) or _WATCH_DENIED in resp.cancel_reason):
+                        stale, reauthed = self._token, True  # the token expired: authenticate again, once
                         break
+                    if resp.canceled and _WATCH_DENIED in resp.cancel_reason:
+                        who = f"user {self.access.user!r}" if self.access.user else "this client"
+                        raise StoreError(f"etcd refused a watch on {prefix!r} to {who}: {resp.cancel_reason}. Grant "
+                                         "the user's role read on the prefix /ftrt/.")
                     if resp.canceled:
                         raise StoreUnavailable(
                             f"etcd cancelled the watch on {prefix!r}: {resp.cancel_reason}"
                         )
+                    if resp.created:
+                        reauthed = False
                     if resp.created and next_rev == 0:
                         # "From now on" is pinned to the revision the server saw at creation, so a
                         # reconnect does not skip what happened in between.

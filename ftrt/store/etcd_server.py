@@ -27,6 +27,14 @@ from ftrt.errors import ConfigError, FtrtError
 from ftrt.store.access import EtcdAccess
 from ftrt.store.certs import TlsFiles
 
+def write_secret(path: Path, text: str) -> None:
+    """Write a password file readable by its owner only, from its first byte."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+
+
 JOB_ROLE = "ftrt"
 JOB_PREFIX = "/ftrt/"
 """What :meth:`EtcdServer.enable_auth` grants the job's users: read and write under ``/ftrt/``."""
@@ -205,6 +213,9 @@ class EtcdServer:
 
         from ftrt.store.etcd import _range_end
 
+        if "root" in users:
+            raise ConfigError("The etcd user 'root' is made by enable_auth itself; give the job's user another name.")
+
         if self.tls is not None:
             chan = grpc.secure_channel(self.endpoint, self.access("root").channel_credentials())
         else:
@@ -225,7 +236,11 @@ class EtcdServer:
                           (auth.UserGrantRole, rpc.AuthUserGrantRoleRequest(user=user, role=JOB_ROLE))]
             calls.append((auth.AuthEnable, rpc.AuthEnableRequest()))
             for method, request in calls:
-                method(request, timeout=timeout)
+                try:
+                    method(request, timeout=timeout)
+                except grpc.RpcError as exc:
+                    raise FtrtError(f"etcd at {self.endpoint} refused to set up its users ({exc.details()}); start "
+                                    "from a new data directory.") from exc
         finally:
             chan.close()
 
@@ -236,10 +251,10 @@ class EtcdServer:
 
         if user is None:
             return self.access()
+        password = secrets.token_urlsafe(18)
         path = Path(work) / "etcd-password"
-        path.write_text(secrets.token_urlsafe(18) + "\n")
-        path.chmod(0o600)
-        self.enable_auth(secrets.token_urlsafe(18), {user: path.read_text().strip()})
+        write_secret(path, password)
+        self.enable_auth(secrets.token_urlsafe(18), {user: password})
         return self.access(user=user, password_file=str(path))
 
     def wait_ready(self, timeout: float = 15.0) -> None:

@@ -67,13 +67,15 @@ def test_recovery_runs_from_the_first_evidence_to_the_first_step_of_the_new_roun
     assert sample(m, "ftrt_restarts_total", reason="node_joined") == 1
 
 
-def test_without_local_evidence_the_round_marks_the_fault(m, clock):
+def test_without_local_evidence_the_rounds_writing_marks_the_fault(clock):
+    m = AgentMetrics("n0", etcd_errors=lambda: 0, replicas=lambda: None, clock=clock, wall=lambda: 5000.0)
     m.round_started(1, 2, 2, "first", first=True, fault=False)
-    clock.t = 10.0
-    m.round_started(2, 1, 1, "lost n1", first=False, fault=True)
+    clock.t = 10.0  # the workers start 0.3 s after the round was written (stop, master, assignment)
+    m.round_started(2, 1, 1, "lost n1", first=False, fault=True, written=4999.7)
     clock.t = 10.8
     m.heartbeat(0, 2, 3)
-    assert sample(m, "ftrt_recovery_seconds_sum") == pytest.approx(0.8)
+    assert sample(m, "ftrt_recovery_seconds_sum") == pytest.approx(1.1)
+    assert sample(m, "ftrt_replica_lag_steps") is None  # no peer, no lag
 
 
 def test_goodput_counts_progress_only(m, clock):

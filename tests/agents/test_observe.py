@@ -74,7 +74,7 @@ def test_a_node_loss_shows_in_the_metrics_the_event_file_and_status_watch(tmp_pa
     restore = next(e for e in events if e["kind"] == "restore" and e["time"] > killed_at)
     assert restore["tier"] == "memory" and restore["seconds"] >= 0
     lost = [e for e in events if e["kind"] == "node_lost"]
-    assert not lost or "evidence" in lost[0]  # seen by a's peer monitor, else only by the round below
+    assert lost and lost[0]["lost"] == "b" and lost[0]["evidence"], kinds  # a's peer monitor saw b's stream break
     assert any(e["kind"] == "round" and "lost b" in e["message"] for e in events)
     followed = [json.loads(x) for x in out.splitlines()]
     assert followed[0]["job_id"] == job_id  # the status first, then what happened

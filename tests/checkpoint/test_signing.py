@@ -101,3 +101,39 @@ def test_keys_that_cannot_work_are_refused_naming_their_source(tmp_path):
                           str(tmp_path / "missing"), "--no-warm", "-m", "ftrt.grpo"], capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 2 and "--checkpoint-key-file" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_ckpt_reads_the_jobs_pointer_from_a_secured_etcd(tmp_path, etcd_secure, etcd_secure_access, job_id):
+    import asyncio
+
+    from ftrt.agents.keys import JobKeys
+    from ftrt.store.etcd import EtcdStore
+
+    root = tmp_path / "ck"
+    with Checkpointer(str(root)) as ck:
+        ck.save(1, make_state()).wait()
+        ck.save(2, make_state()).wait()  # committed on storage, but the job never pointed at it
+
+    async def point_at(step: int) -> None:
+        store = EtcdStore(etcd_secure.url, access=etcd_secure_access)
+        try:
+            body = {"step": step, "round": 1, "url": str(root), "time": 0.0}
+            await store.put(f"{JobKeys(job_id).ckpt}latest", json.dumps(body).encode())
+        finally:
+            await store.close()
+
+    asyncio.run(point_at(1))
+    a = etcd_secure_access
+    flags = ["--etcd", etcd_secure.url, "--job-id", job_id, "--etcd-cacert", a.cacert, "--etcd-cert", a.cert,
+             "--etcd-key", a.key, "--etcd-user", a.user]
+    env = {**os.environ, "FTRT_ETCD_PASSWORD": a.password}
+    run = (lambda *args: subprocess.run([sys.executable, "-m", "ftrt.cli.main", "ckpt", *args], capture_output=True,
+                                        text=True, timeout=120, env=env))
+    listed = run("ls", str(root), *flags)
+    assert listed.returncode == 0, listed.stderr
+    one, two = [x for x in listed.stdout.splitlines() if x.startswith("step")]
+    assert "<- the job's latest" in one and "above the job's latest: not trusted" in two
+    verified = run("verify", str(root), *flags)
+    assert verified.returncode == 0 and verified.stdout.startswith("step 1:"), verified.stdout + verified.stderr
+    bad = run("ls", str(root), *flags[:-2])  # no user: etcd refuses the client certificate's name
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "ftrt: error:" in bad.stderr

@@ -46,6 +46,24 @@ async def test_a_user_over_tls_reads_and_writes_and_outlives_its_token(etcd_secu
         await store.close()
 
 
+async def test_a_watch_created_with_an_expired_token_authenticates_again(etcd_secure, etcd_secure_access):
+    store = EtcdStore(etcd_secure.url, timeout=3.0, access=etcd_secure_access)
+    try:
+        rev = await store.put("/ftrt/secure-test/w/a", b"1")
+        stale = store._token
+        await asyncio.sleep(2.5)  # the token expires unused; the watch is created with it
+        it = store.watch_prefix("/ftrt/secure-test/w/", rev + 1)
+        pending = asyncio.ensure_future(it.__anext__())
+        await asyncio.sleep(0.5)
+        await store.put("/ftrt/secure-test/w/b", b"2")
+        batch = await asyncio.wait_for(pending, 5.0)
+        assert [(e.key, e.value) for e in batch] == [("/ftrt/secure-test/w/b", b"2")]
+        assert store._token != stale
+        await it.aclose()
+    finally:
+        await store.close()
+
+
 async def test_a_user_cannot_leave_its_prefix(etcd_secure, etcd_secure_access):
     store = EtcdStore(etcd_secure.url, timeout=3.0, access=etcd_secure_access)
     try:
@@ -91,7 +109,7 @@ def test_access_files_are_checked_before_any_call(etcd_secure, tmp_path):
         (EtcdAccess(cacert=good.cacert, cert=good.cert, key=str(other.client_key())),
          "are not a PEM certificate and its matching private key"),
         (EtcdAccess(user="job"), "--etcd-user 'job' has no password"),
-        (EtcdAccess(password="x"), "without --etcd-user"),
+        (EtcdAccess(password_file=str(tmp_path / "empty.pem")), "without --etcd-user"),
         (EtcdAccess(user="job", password_file=str(tmp_path)), "is a directory"),
     ]
     for access, message in cases:
