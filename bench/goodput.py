@@ -284,7 +284,7 @@ def render_series(entries: list[dict]) -> str:
             ratio += f" ({', '.join(f'{x:.3f}' for x in e['pair_ratios'])})"
         good = {k: f"{e[k]:.1%}" if k in e else "-" for k in ("ftrt_goodput", "torchrun_goodput")}
         lines.append(f"{every:>12}{e['wall_s']:>7.0f}s{e.get('ftrt_steps', '-'):>12}{e.get('torchrun_steps', '-'):>16}"
-                     f"{ratio:>8}{good['ftrt_goodput']:>14}{good['torchrun_goodput']:>18}")
+                     f"  {ratio:>6}{good['ftrt_goodput']:>14}{good['torchrun_goodput']:>18}")
     lines.append("(steps trained in the same wall time, from each system's first step; ratio: ftrt over torchrun)")
     return "\n".join(lines)
 
