@@ -73,8 +73,11 @@ class Cluster:
             # etcd_tls_auth: TLS with client certificates and etcd's auth on, as production runs it.
             self._etcd = EtcdServer(name="bench", unsafe_no_fsync=True,
                                     tls=tls_dir(work / "tls") if etcd_tls_auth else None).start()
-            if etcd_tls_auth:
-                self.launch_extra += self._etcd.secure_access(work, "bench").flags()
+            if etcd_tls_auth:  # and mutual TLS between the agents: TLS everywhere
+                files = tls_dir(work / "tls")
+                self.launch_extra += [*self._etcd.secure_access(work, "bench").flags(), "--tls-cert",
+                                      str(files.server_cert), "--tls-key", str(files.server_key), "--tls-ca",
+                                      str(files.ca)]
         else:
             self._port = free_port()
 
@@ -283,7 +286,7 @@ def render(summary: list[dict]) -> str:
                      f"{fmt(t.get('median_s')):>17}{tr:>18}{ratio:>8}")
         s = e.get("ftrt-tls", {})
         if s.get("median_s") is not None:
-            lines.append(f"{'':<4}ftrt with etcd over TLS + auth: {fmt(s['median_s'])} "
+            lines.append(f"{'':<4}ftrt with TLS everywhere (etcd TLS + auth, agent mTLS): {fmt(s['median_s'])} "
                          f"({fmt(s['min_s'])}-{fmt(s['max_s'])}), {e.get('tls_ratio', '-')}x ftrt without")
         for sysname, d in (("ftrt", f), ("ftrt-tls", s), ("torchrun", t)):
             if d.get("median_pause_s") is not None:
@@ -303,8 +306,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--workload", choices=("ddp", "plain"), default="ddp",
                    help="ddp: DDP + SGD (imports torch._dynamo); plain: hand-written all-reduce, no dynamo")
     p.add_argument("--systems", default="ftrt,torchrun",
-                   help="comma-separated, of ftrt, ftrt-tls (etcd over TLS with client certificates and auth) "
-                        "and torchrun (default ftrt,torchrun)")
+                   help="comma-separated, of ftrt, ftrt-tls (etcd over TLS with client certificates and auth, "
+                        "and mutual TLS between agents) and torchrun (default ftrt,torchrun)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     systems = tuple(s for s in args.systems.split(",") if s)

@@ -157,8 +157,8 @@ def verify_files(loc: Location, folder: str, manifest: Manifest, names: Iterable
         got = checksum_file(loc, path, manifest.checksum).digest(manifest.checksum)
         if got != want.digest(manifest.checksum):
             raise CheckpointCorrupt(
-                f"Checkpoint step {manifest.step}: file {name} has {manifest.checksum} {got}, the manifest says "
-                f"{want.digest(manifest.checksum)}."
+                f"Checkpoint step {manifest.step}: file {name} has {manifest.checksum} checksum {got}, the manifest "
+                f"says {want.digest(manifest.checksum)}."
             )
 
 

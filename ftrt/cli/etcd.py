@@ -85,7 +85,8 @@ def etcd_main(argv: list[str]) -> int:
             root = secrets.token_urlsafe(24)
             write_secret(Path(args.tls) / "root-password", root)
             server.enable_auth(root, {args.auth_user: password})
-        print(f"etcd is serving on {server.url} (data in {server.data_dir}); Ctrl-C stops it.", flush=True)
+        where = server.url if tls is not None else server.endpoint  # what --etcd takes
+        print(f"etcd is serving on {where} (data in {server.data_dir}); Ctrl-C stops it.", flush=True)
         if tls is not None:
             flags = [f"--etcd {server.url}", f"--etcd-cacert {tls.ca}", f"--etcd-cert {tls.client_cert()}",
                      f"--etcd-key {tls.client_key()}"]

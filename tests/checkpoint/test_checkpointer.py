@@ -186,7 +186,7 @@ def test_a_process_killed_mid_save_leaves_nothing_restore_would_load(tmp_path):
         import ftrt.checkpoint.manifest as mf
         from ftrt.checkpoint import Checkpointer
         real = mf.checksum_file
-        def stall(loc, path):            # the data files are written: die before the manifest
+        def stall(loc, path, *sum_kind):  # the data files are written: die before the manifest
             print("WRITTEN", flush=True)
             import time; time.sleep(60)
         mf.checksum_file = stall
