@@ -145,6 +145,22 @@ def _range_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
+class _Backoff:
+    """Retries until a deadline: 20 ms doubling to 200 ms between attempts."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.delay = 0.02
+
+    def spent(self) -> bool:
+        """Whether another wait would pass the deadline."""
+        return time.monotonic() + self.delay >= self.deadline
+
+    async def wait(self) -> None:
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, 0.2)
+
+
 def _kv(kv) -> KeyValue:
     return KeyValue(
         key=kv.key.decode(),
@@ -242,7 +258,7 @@ class EtcdStore:
     async def _authenticate(self, deadline: float) -> str:
         """etcd's token for the configured user ("-" when etcd has auth off: calls go without one)."""
         req = rpc.AuthenticateRequest(name=self.access.user, password=self.access.secret())
-        delay = 0.02
+        backoff = _Backoff(deadline)
         while True:
             self._chan()
             remaining = deadline - time.monotonic()
@@ -261,13 +277,12 @@ class EtcdStore:
                         f"etcd at {self.endpoint_text} refused user {self.access.user!r} ({details}); check "
                         f"--etcd-user and the password ({ENV_PASSWORD} or --etcd-password-file)."
                     ) from exc
-                if time.monotonic() + delay >= deadline:
+                if backoff.spent():
                     raise StoreUnavailable(
                         f"etcd at {self.endpoint_text} did not authenticate user {self.access.user!r} in time "
                         f"(last error: {exc.code().name}: {details}). Check that etcd is running and reachable."
                     ) from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.2)
+                await backoff.wait()
 
     def _check_handshake(self, exc: grpc.aio.AioRpcError) -> None:
         """Raise a :class:`ConfigError` when ``exc`` is a failed TLS handshake (or plaintext
@@ -290,7 +305,7 @@ class EtcdStore:
         """Run one unary RPC with retries of transient failures until the deadline."""
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
-        delay = 0.02
+        backoff = _Backoff(deadline)
         stale = ""
         while True:
             metadata = await self._metadata(deadline, stale)
@@ -309,16 +324,15 @@ class EtcdStore:
                 self._check_handshake(exc)
                 if exc.code() not in _TRANSIENT:
                     raise self._translate(exc, what) from exc
-                if time.monotonic() + delay >= deadline:
+                if backoff.spent():
                     raise StoreUnavailable(
                         f"etcd at {self.endpoint_text} did not complete {what} within "
                         f"{budget:.1f} s (last error: {exc.code().name}: {exc.details()}). "
                         "Check that etcd is running and reachable"
                         f"{'' if self.access.uses_tls else ', and if it serves TLS write https:// endpoints'}."
                     ) from exc
-                log.debug("etcd %s failed (%s); retrying in %.2f s", what, exc.code().name, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.2)
+                log.debug("etcd %s failed (%s); retrying in %.2f s", what, exc.code().name, backoff.delay)
+                await backoff.wait()
 
     def _token_refused(self, exc: grpc.aio.AioRpcError) -> bool:
         details = exc.details() or ""
@@ -438,7 +452,7 @@ class EtcdStore:
     async def keep_alive(self, lease_id: int, *, timeout: float | None = None) -> float:
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
-        delay = 0.02
+        backoff = _Backoff(deadline)
         stale = ""
         while True:
             metadata = await self._metadata(deadline, stale)
@@ -464,13 +478,12 @@ class EtcdStore:
                 self._check_handshake(exc)
                 if exc.code() not in _TRANSIENT:
                     raise self._translate(exc, f"keep-alive of lease {lease_id:#x}") from exc
-                if time.monotonic() + delay >= deadline:
+                if backoff.spent():
                     raise StoreUnavailable(
                         f"etcd at {self.endpoint_text} did not renew lease {lease_id:#x} within "
                         f"{budget:.1f} s ({exc.code().name})."
                     ) from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.2)
+                await backoff.wait()
             finally:
                 call.cancel()
 
