@@ -24,6 +24,7 @@ import json
 import os
 import sys
 
+from ftrt import envnames
 from ftrt.agents import template
 
 _STORE = None  # the round's TCPStore server lives as long as this process
@@ -55,11 +56,11 @@ def _read_assignment(fd: int) -> dict:
 
 def main() -> None:
     global _STORE
-    template.die_with(int(os.environ.get("FTRT_AGENT_PID", os.getppid())))
-    report_fd = int(os.environ["FTRT_REPORT_FD"])
-    idle = os.environ.pop("FTRT_WARM_IDLE", "0") == "1"
+    template.die_with(int(os.environ.get(envnames.AGENT_PID, os.getppid())))
+    report_fd = int(os.environ[envnames.REPORT_FD])
+    idle = os.environ.pop(envnames.WARM_IDLE, "0") == "1"
     _set_idle(idle)
-    for name in filter(None, os.environ.pop("FTRT_WARM_IMPORTS", "").split(",")):
+    for name in filter(None, os.environ.pop(envnames.WARM_IMPORTS, "").split(",")):
         try:
             __import__(name)
         except ImportError as exc:
@@ -71,8 +72,8 @@ def main() -> None:
         spare = template.serve(int(template_fd), report_fd)  # returns in each forked spare
         control_fd, report_fd, hosts_store = spare.control_fd, spare.report_fd, spare.hosts_store
     else:
-        control_fd = int(os.environ.pop("FTRT_CONTROL_FD"))
-        hosts_store = os.environ.pop("FTRT_WARM_STORE", "0") == "1"
+        control_fd = int(os.environ.pop(envnames.CONTROL_FD))
+        hosts_store = os.environ.pop(envnames.WARM_STORE, "0") == "1"
     store_port = 0
     if hosts_store:
         import torch.distributed as dist
@@ -89,7 +90,7 @@ def main() -> None:
     os.close(control_fd)
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
-    fence_path = os.environ.get("FTRT_FENCE_FILE")
+    fence_path = os.environ.get(envnames.FENCE_FILE)
     from ftrt import _diag
 
     _diag.mark("assigned")

@@ -19,10 +19,11 @@ collectives cannot complete, so its workers are stopped at once.
 
 from __future__ import annotations
 
+from ftrt import envnames
 from ftrt.agents.mapped import MappedReader, MappedWriter
 from ftrt.agents.records import RoundRecord
 
-ENV = "FTRT_ROUND_END_FILE"
+ENV = envnames.ROUND_END_FILE
 """Environment variable with the round-end file's path, set for every worker of an agent."""
 REPORT = "boundary"
 """Report message type (``{"t": "boundary"}``): this worker polls the round-end file."""

@@ -15,7 +15,7 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 
-from ftrt import _diag
+from ftrt import _diag, envnames
 from ftrt.agents import boundary
 from ftrt.agents.fence import FenceWriter
 from ftrt.agents.replicator import make_mem_dir
@@ -43,7 +43,7 @@ class EarlyStart:
         round_end = boundary.RoundEndWriter(os.path.join(run_dir, "round_end"))
         mem_dir = make_mem_dir()
         base_env = dict(os.environ)
-        base_env["FTRT_MEM_DIR"] = mem_dir
+        base_env[envnames.MEM_DIR] = mem_dir
         base_env[boundary.ENV] = round_end.path
         if nproc > 1 and "OMP_NUM_THREADS" not in base_env:
             base_env["OMP_NUM_THREADS"] = "1"  # as torchrun does for several workers per node

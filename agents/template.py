@@ -37,7 +37,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import IO
 
-ENV = "FTRT_TEMPLATE_FD"
+from ftrt import envnames
+
+ENV = envnames.TEMPLATE_FD
 """Set (to the template's socket descriptor) in a bootstrap that is to be a template."""
 
 REPLY_TIMEOUT_S = 5.0
@@ -193,7 +195,7 @@ def _become_spare(fds: list[int], hosts_store: bool, template_pid: int) -> Spare
     os.dup2(err_fd, 2)
     for fd in (null, out_fd, err_fd):
         os.close(fd)
-    os.environ["FTRT_REPORT_FD"] = str(report_fd)
+    os.environ[envnames.REPORT_FD] = str(report_fd)
     return SpareFds(control_fd, report_fd, hosts_store)
 
 

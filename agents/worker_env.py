@@ -8,6 +8,7 @@ torchrun does with its agent store.
 
 from __future__ import annotations
 
+from ftrt import envnames
 from ftrt.agents.records import RoundRecord
 from ftrt.store.access import EtcdAccess
 
@@ -54,17 +55,17 @@ def worker_env(
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "TORCHELASTIC_RUN_ID": job_id,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "FTRT_JOB_ID": job_id,
-        "FTRT_NODE_ID": node_id,
-        "FTRT_ROUND": str(rnd.round),
-        "FTRT_AGENT_ADDR": agent_addr,
-        "FTRT_ETCD": etcd,
+        envnames.JOB_ID: job_id,
+        envnames.NODE_ID: node_id,
+        envnames.ROUND: str(rnd.round),
+        envnames.AGENT_ADDR: agent_addr,
+        envnames.ETCD: etcd,
         # The job's fault history and the operator's expectation, for checkpoint cadence.
-        "FTRT_FAULTS": str(rnd.faults),
-        "FTRT_JOB_STARTED": repr(rnd.job_started or rnd.created),
-        "FTRT_MTBF": "" if mtbf is None else repr(float(mtbf)),
+        envnames.FAULTS: str(rnd.faults),
+        envnames.JOB_STARTED: repr(rnd.job_started or rnd.created),
+        envnames.MTBF: "" if mtbf is None else repr(float(mtbf)),
         **etcd_access.env(),
         # The path of the checkpoint key, never the key (ftrt.checkpoint.signing); without the flag
         # an operator's own FTRT_CHECKPOINT_KEY(_FILE) reaches the worker with the agent's environment.
-        **({"FTRT_CHECKPOINT_KEY_FILE": checkpoint_key_file} if checkpoint_key_file else {}),
+        **({envnames.CHECKPOINT_KEY_FILE: checkpoint_key_file} if checkpoint_key_file else {}),
     }

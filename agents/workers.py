@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
-from ftrt import _diag
+from ftrt import _diag, envnames
 from ftrt.agents import boundary, template
 from ftrt.agents.template import ForkedProc, TemplateError
 
@@ -120,15 +120,15 @@ def spawn_bootstrap(
     ctl_r, ctl_w = os.pipe()
     rep_r, rep_w = os.pipe()
     env = dict(base_env)
-    env.update(
-        FTRT_CONTROL_FD=str(ctl_r),
-        FTRT_REPORT_FD=str(rep_w),
-        FTRT_FENCE_FILE=fence_path,
-        FTRT_WARM_STORE="1" if hosts_store else "0",
-        FTRT_WARM_IMPORTS=",".join(warm_imports),
-        FTRT_WARM_IDLE="1" if idle else "0",
-        FTRT_AGENT_PID=str(os.getpid()),
-    )
+    env.update({
+        envnames.CONTROL_FD: str(ctl_r),
+        envnames.REPORT_FD: str(rep_w),
+        envnames.FENCE_FILE: fence_path,
+        envnames.WARM_STORE: "1" if hosts_store else "0",
+        envnames.WARM_IMPORTS: ",".join(warm_imports),
+        envnames.WARM_IDLE: "1" if idle else "0",
+        envnames.AGENT_PID: str(os.getpid()),
+    })
     passed = [ctl_r, rep_w]
     if template_fd >= 0:
         env[template.ENV] = str(template_fd)

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from ftrt import envnames
 from ftrt.errors import ConfigError
 
-ENV_KEY = "FTRT_CHECKPOINT_KEY"
-ENV_KEY_FILE = "FTRT_CHECKPOINT_KEY_FILE"
+ENV_KEY = envnames.CHECKPOINT_KEY
+ENV_KEY_FILE = envnames.CHECKPOINT_KEY_FILE
 MIN_KEY_BYTES = 16
 SIGNATURE = "hmac-sha256"
 

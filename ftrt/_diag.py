@@ -21,7 +21,9 @@ import json
 import os
 import time
 
-ENV = "FTRT_DIAG_OFF"
+from ftrt import envnames
+
+ENV = envnames.DIAG_OFF
 COMPONENTS = ("heartbeat", "fence", "vote", "template")
 
 
@@ -41,7 +43,7 @@ def off(component: str) -> bool:
     return component in _OFF
 
 
-TRACE_ENV = "FTRT_DIAG_TRACE"
+TRACE_ENV = envnames.DIAG_TRACE
 
 
 def mark(event: str, **fields: object) -> None:

