@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from ftrt.chaos.local import LocalNode, StepLog, wait_until
+from ftrt.agents.tls import AgentTls
 from ftrt.store.certs import tls_dir
 from ftrt.store.etcd_server import EtcdServer, free_port
 
@@ -75,9 +76,8 @@ class Cluster:
                                     tls=tls_dir(work / "tls") if etcd_tls_auth else None).start()
             if etcd_tls_auth:  # and mutual TLS between the agents: TLS everywhere
                 files = tls_dir(work / "tls")
-                self.launch_extra += [*self._etcd.secure_access(work, "bench").flags(), "--tls-cert",
-                                      str(files.server_cert), "--tls-key", str(files.server_key), "--tls-ca",
-                                      str(files.ca)]
+                agents = AgentTls(str(files.server_cert), str(files.server_key), str(files.ca))
+                self.launch_extra += [*self._etcd.secure_access(work, "bench").flags(), *agents.flags()]
         else:
             self._port = free_port()
 
