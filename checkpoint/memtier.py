@@ -197,6 +197,12 @@ def choose(per_rank: list[list[dict]]) -> tuple[int, int, int, dict[int, int]] |
     return step, rnd, world, holders[(step, rnd, world)]
 
 
+def describe(per_rank: list[list[dict]]) -> str:
+    """What each new rank's node holds, for a log line: ``rank 0: r0@12 r1@11; rank 1: ...``."""
+    return "; ".join(f"rank {i}: " + (" ".join(f"r{it['rank']}@{it['step']}" for it in sorted(
+        items, key=lambda it: (it["rank"], it["step"]))) or "nothing") for i, items in enumerate(per_rank))
+
+
 def _covers(held: list[dict]) -> bool:
     """Whether the held ranks' chunks cover every tensor of the saved state.
 

@@ -18,7 +18,7 @@ from ftrt.agents.tls import AgentTls
 from ftrt.errors import ConfigError
 from ftrt.store.certs import tls_dir
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
-from tests.agents.harness import FAST_WARM, Node, wait_until
+from tests.agents.harness import FAST_WARM, Node, kill_at_rest, wait_until
 
 WORKER = Path(__file__).parents[1] / "checkpoint" / "tier_worker.py"
 
@@ -68,7 +68,7 @@ def test_a_job_over_agent_mtls_refuses_outsiders_and_recovers_from_its_replicas(
     tls = AgentTls(str(files.server_cert), str(files.server_key), str(files.ca))
     log = tmp_path / "steps.jsonl"
     args = ["--etcd", etcd_endpoint, "--job-id", job_id, "--nnodes", "1:2", "--lease-ttl", "2",
-            "--first-round-wait", "1", *FAST_WARM, *tls.flags(), str(WORKER), str(tmp_path / "ck"), str(log), "300"]
+            "--first-round-wait", "1", *FAST_WARM, *tls.flags(), str(WORKER), str(tmp_path / "ck"), str(log), "300", str(tmp_path / "hold")]
     nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
 
     def events(kind: str) -> list[dict]:
@@ -92,10 +92,10 @@ def test_a_job_over_agent_mtls_refuses_outsiders_and_recovers_from_its_replicas(
             assert call_status(addr, outsider.channel) == grpc.StatusCode.UNAVAILABLE
             assert put_replica(addr, tls) == grpc.StatusCode.UNAUTHENTICATED  # a certificate is not the token
             assert call_status(addr, tls.channel) == grpc.StatusCode.OK
-        killed_at = nodes["b"].kill()
+        killed_at = kill_at_rest(nodes["b"], nodes["a"], tmp_path / "hold", lambda: max(e["step"] for e in events("step")))
         restore = wait_until(lambda: next((e for e in events("restore") if e["time"] > killed_at), None), 60,
                              "the survivor's restore")
-        assert restore["tier"] == "memory" and restore["ok"], restore  # the peer's replica came over mTLS
+        assert restore["tier"] == "memory" and restore["ok"], (restore, nodes["a"].log()[-3000:])  # the peer's replica came over mTLS
         assert nodes["a"].wait(120) == 0, nodes["a"].log()
     finally:
         for n in nodes.values():

@@ -16,7 +16,7 @@ from ftrt.agents.auth import READS, WRITES, JobToken, job_token
 from ftrt.agents.keys import JobKeys
 from ftrt.store.etcd import EtcdStore
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
-from tests.agents.harness import FAST_WARM, Node, wait_until
+from tests.agents.harness import FAST_WARM, Node, kill_at_rest, wait_until
 
 WORKER = Path(__file__).parents[1] / "checkpoint" / "tier_worker.py"
 
@@ -70,7 +70,7 @@ def rogue_calls(addr: str) -> dict[str, grpc.StatusCode]:
 def test_a_rogue_client_is_refused_by_a_running_job_whose_own_replication_goes_on(tmp_path, etcd_endpoint, job_id):
     log = tmp_path / "events.jsonl"
     args = ["--etcd", etcd_endpoint, "--job-id", job_id, "--nnodes", "1:2", "--lease-ttl", "2",
-            "--first-round-wait", "1", *FAST_WARM, str(WORKER), str(tmp_path / "ck"), str(log), "300"]
+            "--first-round-wait", "1", *FAST_WARM, str(WORKER), str(tmp_path / "ck"), str(log), "300", str(tmp_path / "hold")]
     nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
 
     def steps() -> list[dict]:
@@ -90,7 +90,7 @@ def test_a_rogue_client_is_refused_by_a_running_job_whose_own_replication_goes_o
             assert rogue_calls(addr) == {"PutReplica/none": grpc.StatusCode.UNAUTHENTICATED,
                                          "PutReplica/made-up": grpc.StatusCode.UNAUTHENTICATED}
         # The job's own agents hold the token: a node's loss is restored from its peer's replica.
-        killed_at = nodes["b"].kill()
+        killed_at = kill_at_rest(nodes["b"], nodes["a"], tmp_path / "hold", lambda: max(e["step"] for e in steps()))
         restore = wait_until(lambda: next((e for e in (json.loads(x) for x in log.read_text().splitlines())
                                            if e.get("event") == "restore" and e["time"] > killed_at), None),
                              60, "the survivor's restore")

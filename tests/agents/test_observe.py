@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ftrt.store.etcd_server import free_port
-from tests.agents.harness import FAST_WARM, Node, wait_until
+from tests.agents.harness import FAST_WARM, Node, kill_at_rest, wait_until
 
 WORKER = Path(__file__).parents[1] / "checkpoint" / "tier_worker.py"
 
@@ -38,7 +38,7 @@ def test_a_node_loss_shows_in_the_metrics_the_event_file_and_status_watch(tmp_pa
     ports = {"a": free_port(), "b": free_port()}
     common = ["--etcd", etcd_endpoint, "--job-id", job_id, "--nnodes", "1:2", "--lease-ttl", "2",
               "--first-round-wait", "1", *FAST_WARM]
-    script = [str(WORKER), str(tmp_path / "ck"), str(log), "400"]
+    script = [str(WORKER), str(tmp_path / "ck"), str(log), "400", str(tmp_path / "hold")]
     nodes = {n: Node(tmp_path, n, [*common, "--metrics-port", str(ports[n]), "--event-log",
                                    str(tmp_path / f"events-{n}.jsonl"), *script]).start() for n in ("a", "b")}
     watch = subprocess.Popen([sys.executable, "-m", "ftrt.cli.main", "status", "--etcd", etcd_endpoint, "--job-id",
@@ -49,7 +49,7 @@ def test_a_node_loss_shows_in_the_metrics_the_event_file_and_status_watch(tmp_pa
         before = scrape(ports["a"])
         assert before[("ftrt_world_size", ())] == 2 and before[("ftrt_nodes", ())] == 2
         assert before[("ftrt_restarts_total", (("reason", "node_lost"),))] == 0
-        killed_at = nodes["b"].kill()
+        killed_at = kill_at_rest(nodes["b"], nodes["a"], tmp_path / "hold", lambda: max(e["step"] for e in steps()))
         first = wait_until(lambda: next((e for e in steps() if e["world"] == 1 and e["time"] > killed_at), None),
                            60, "the survivor's first step alone")
         measured = first["time"] - killed_at

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agents.harness import FAST_WARM, Node, wait_until
+from tests.agents.harness import FAST_WARM, Node, kill_at_rest, wait_until
 
 WORKER = Path(__file__).with_name("tier_worker.py")
 pytestmark = pytest.mark.slow
@@ -23,12 +23,13 @@ def events(path: Path) -> list[dict]:
 def test_node_loss_restores_from_peer_memory_with_at_most_one_step_lost(tmp_path, etcd_endpoint, job_id):
     log = tmp_path / "events.jsonl"
     args = ["--etcd", etcd_endpoint, "--job-id", job_id, "--nnodes", "1:2", "--lease-ttl", "2",
-            "--first-round-wait", "1", *FAST_WARM, str(WORKER), str(tmp_path / "ck"), str(log), "400"]
+            "--first-round-wait", "1", *FAST_WARM, str(WORKER), str(tmp_path / "ck"), str(log), "400", str(tmp_path / "hold")]
     nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
     try:
         wait_until(lambda: any(e["event"] == "step" and e["world"] == 2 and e["step"] >= 40 for e in events(log)),
                    90, "the 2-node world past step 40")
-        killed_at = nodes["b"].kill()
+        killed_at = kill_at_rest(
+            nodes["b"], nodes["a"], tmp_path / "hold", lambda: max(e["step"] for e in events(log) if e["event"] == "step"))
         last_before = max(e["step"] for e in events(log) if e["event"] == "step" and e["time"] < killed_at)
         restore = wait_until(
             lambda: next((e for e in events(log) if e["event"] == "restore" and e["world"] == 1), None),

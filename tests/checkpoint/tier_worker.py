@@ -3,9 +3,12 @@
 State: one DTensor (``Shard(0)`` over the world) that holds ``arange(N) + s`` after step ``s``.
 Every step takes a memory checkpoint (``persist=False``); every 25th also goes to storage.
 At the start of each round the worker restores and checks the values; rank 0 logs JSON lines.
+Arguments: URL LOG STEPS [HOLD]. While the file HOLD exists, every rank waits between two steps, so a
+test can kill a node at rest: each rank's newest memory checkpoint saved and replicated.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -21,6 +24,7 @@ N = 1 << 16
 
 def main():
     url, log_path, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    hold = sys.argv[4] if len(sys.argv) > 4 else None
     rt = ftrt.init()
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -54,6 +58,8 @@ def main():
                                     "step": step, "time": time.time()}) + "\n")
         dist.barrier()
         time.sleep(0.05)
+        while hold and os.path.exists(hold):
+            time.sleep(0.01)
     ck.close()
     dist.destroy_process_group()
 
