@@ -31,6 +31,7 @@ class TcpProxy:
         self._peers: dict[socket.socket, socket.socket] = {}
         self._lock = threading.Lock()
         self._down = False
+        self._hanging = False
         self._delay = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrt-tcp-proxy", daemon=True)
@@ -51,6 +52,11 @@ class TcpProxy:
             for s in list(self._peers):
                 self._close(s)
 
+    def hang(self) -> None:
+        """Accept connections and swallow what they send, answering nothing, until :meth:`restore` (a
+        service that hangs: only the caller's own timeouts end its calls)."""
+        self._hanging = True
+
     def slow(self, delay_s: float) -> None:
         """Delay every forwarded chunk by ``delay_s`` seconds."""
         self._delay = delay_s
@@ -58,6 +64,10 @@ class TcpProxy:
     def restore(self) -> None:
         with self._lock:
             self._down = False
+            if self._hanging:  # what was swallowed is lost: those connections cannot go on
+                self._hanging = False
+                for sock in list(self._peers):
+                    self._close(sock)
         self._delay = 0.0
 
     def stop(self) -> None:
@@ -131,6 +141,8 @@ class TcpProxy:
             data = b""
         if not data:
             self._close(sock)
+            return
+        if self._hanging:
             return
         if self._delay:
             time.sleep(self._delay)

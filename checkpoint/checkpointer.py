@@ -55,6 +55,10 @@ from ftrt.errors import CheckpointCorrupt, CheckpointSaveFailed, CheckpointUnava
 
 log = logging.getLogger(__name__)
 
+LIST_TIMEOUT_S = 1.0
+"""How long a restore that has a memory tier but no pointer waits for storage's listing before it
+tries the memory tier (a listing that answers later is waited for only if memory cannot restore)."""
+
 # DCP warns on every single-process save and load even when asked for one (no_dist=True).
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -546,24 +550,24 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         self.wait_pending()
-        found = None
-        if self.rank == 0:
-            limit0 = self.latest_limit() if self.latest_limit is not None else None
-            _diag.mark("restore.pointer")
-            try:
-                found = (limit0, list_steps(self.loc), None)
-            except Exception as exc:  # storage down: the memory tier may not need it
-                found = (limit0, None, exc)
-            _diag.mark("restore.listed")
-        limit, steps, storage_error = self._broadcast(found)
-        if storage_error is not None:
-            log.warning("cannot list the checkpoints in %s (%s); trying the memory tier alone",
-                        self.loc.url, _short(storage_error))
+        _diag.mark("restore.pointer")
+        limit = self._broadcast(self.latest_limit() if self.rank == 0 and self.latest_limit is not None else None)
+        # Only rank 0 lists; with a pointer and a memory tier, storage is listed only if memory fails.
+        listing = _Listing(self.loc) if self.rank == 0 and (limit is None or self._arena is None) else None
         if self._arena is not None:
-            allowed = [s for s in steps or [] if limit is None or s <= limit]
-            got = self._restore_memory(state, newest_storage=max(allowed, default=-1))
+            # The memory tier first. The job's pointer names storage's newest trusted step, so storage's
+            # listing is not waited for; without a pointer, a slow or unreachable storage holds the
+            # restore up for LIST_TIMEOUT_S at most.
+            newest = limit
+            if newest is None:
+                steps, _ = self._listed(listing, LIST_TIMEOUT_S)
+                newest = max(steps or [], default=-1)
+            got = self._restore_memory(state, newest_storage=newest)
             if got is not None:
                 return got
+        if listing is None and self.rank == 0:
+            listing = _Listing(self.loc)
+        steps, storage_error = self._listed(listing, None)
         if storage_error is not None:
             raise CheckpointUnavailable(
                 f"Cannot restore: listing the checkpoints in {self.loc.url} failed ({_short(storage_error)}) "
@@ -594,14 +598,31 @@ class Checkpointer:
             )
         return None
 
+    def _listed(self, listing: "_Listing | None", timeout: float | None
+                ) -> tuple[list[int] | None, BaseException | None]:
+        """Storage's steps as rank 0's ``listing`` found them (collective): (steps, None) or (None, the
+        error); a listing still running after ``timeout`` seconds is a TimeoutError for now."""
+        found = listing.wait(timeout) if listing is not None else None
+        if listing is not None:
+            _diag.mark("restore.listed")
+        steps, error = self._broadcast(found)
+        if error is not None:
+            log.warning("cannot list the checkpoints in %s (%s)", self.loc.url, _short(error))
+        return steps, error
+
     def _restore_memory(self, state: dict[str, Any], newest_storage: int) -> int | None:
         """Restore from the newest complete memory checkpoint held by this job's nodes, if it is at
         least as new as storage's. Collective; every rank returns the same answer."""
         import torch
 
         mine = memtier.scan(self.mem_dir)
-        pick = memtier.choose(self._all_gather([{k: v for k, v in m.items() if k != "file"} for m in mine]))
+        held = self._all_gather([{k: v for k, v in m.items() if k != "file"} for m in mine])
+        pick = memtier.choose(held)
         if pick is None or pick[0] < newest_storage:
+            (log.warning if any(held) else log.debug)(
+                "memory tier not used: %s (storage's newest: step %s; the nodes hold %s)",
+                "no step is held whole" if pick is None else f"its newest whole step {pick[0]} is older",
+                newest_storage if newest_storage >= 0 else "none", memtier.describe(held))
             return None
         step, rnd, world, holders = pick
         _diag.mark("restore.memory.chosen")
@@ -714,3 +735,26 @@ def _short(exc: BaseException) -> str:
 
 
 __all__ = ["Checkpointer", "SaveHandle"]
+
+
+class _Listing:
+    """Storage's steps, listed on a daemon thread from construction: a restore may try the memory tier
+    while a slow storage answers, and waits for the same listing later if it needs it."""
+
+    def __init__(self, loc: Location) -> None:
+        self._done = threading.Event()
+        self._found: tuple[list[int] | None, BaseException | None] = (None, None)
+        threading.Thread(target=self._run, args=(loc,), name="ftrt-list-checkpoints", daemon=True).start()
+
+    def _run(self, loc: Location) -> None:
+        try:
+            self._found = (list_steps(loc), None)
+        except Exception as exc:  # storage down: the memory tier may not need it
+            self._found = (None, exc)
+        self._done.set()
+
+    def wait(self, timeout: float | None) -> tuple[list[int] | None, BaseException | None]:
+        """(steps, None), (None, the listing's error), or (None, TimeoutError) while it still runs."""
+        if not self._done.wait(timeout):
+            return None, TimeoutError(f"the storage did not answer in {timeout:g} s")
+        return self._found

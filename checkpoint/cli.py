@@ -16,9 +16,9 @@ import time
 
 from ftrt.checkpoint import manifest as mf
 from ftrt.checkpoint.signing import load_key
+from ftrt.checkpoint.storage import is_storage_error, list_steps, parse_url, step_dir, storage_problem
+from ftrt.errors import CheckpointCorrupt, ConfigError, FtrtError
 from ftrt.store import access as etcd_access
-from ftrt.checkpoint.storage import list_steps, parse_url, step_dir
-from ftrt.errors import CheckpointCorrupt, ConfigError
 
 
 def _storage_options(text: str | None) -> dict:
@@ -57,6 +57,15 @@ def ckpt_main(argv: list[str]) -> int:
     key = load_key(args.key_file)
     loc = parse_url(args.url, _storage_options(args.storage_options))
     latest = _pointer(args) if args.etcd else None
+    try:
+        return _act(args, loc, key, latest)
+    except Exception as exc:
+        if isinstance(exc, FtrtError) or not is_storage_error(exc):
+            raise
+        raise storage_problem(args.url, exc) from None
+
+
+def _act(args: argparse.Namespace, loc, key, latest: int | None) -> int:
     steps = list_steps(loc)
     if args.action == "ls":
         if not steps:

@@ -15,7 +15,7 @@ from typing import Any
 
 import fsspec
 
-from ftrt.errors import ConfigError
+from ftrt.errors import CheckpointUnavailable, ConfigError
 
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 MANIFEST = "manifest.json"
@@ -142,3 +142,35 @@ def write_bytes(loc: Location, path: str, data: bytes) -> None:
 def read_bytes(loc: Location, path: str) -> bytes:
     with loc.fs.open(path, "rb") as f:
         return f.read()
+
+
+_STORAGE_MODULES = ("botocore", "aiobotocore", "s3fs", "fsspec", "aiohttp")
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the storage (the filesystem, the object store or its client library)
+    rather than from ftrt's own code."""
+    return isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _STORAGE_MODULES
+
+
+def storage_problem(url: str, exc: BaseException) -> CheckpointUnavailable:
+    """One clear sentence for a storage failure: what failed and what to do, without the client
+    library's traceback."""
+    name = type(exc).__name__
+    code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", "")) if hasattr(exc, "response") else ""
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        hint = ("no S3 credentials were found. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
+                "or give them as --storage-options '{\"key\": ..., \"secret\": ...}'")
+    elif code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403") or isinstance(exc, PermissionError):
+        hint = f"access was refused ({code or name}). Check the credentials and their permissions on {url}"
+    elif name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError") or isinstance(
+            exc, (ConnectionError, TimeoutError)):
+        hint = f"the storage could not be reached ({_first_line(exc)}). Check the endpoint and the network"
+    else:
+        hint = f"{name}: {_first_line(exc)}"
+    return CheckpointUnavailable(f"Cannot read the checkpoints at {url}: {hint}.")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else "")[:300].rstrip(".")

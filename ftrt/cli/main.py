@@ -8,11 +8,13 @@ one ``ftrt: error: ...`` line, without a traceback, and exit non-zero.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from typing import Callable, Sequence
 
 from ftrt._version import __version__
+from ftrt.cli.signals import Stopped, stop_cleanly
 from ftrt.errors import FtrtError
 
 Handler = Callable[[argparse.Namespace, list[str]], int]
@@ -111,13 +113,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         setup_logging(args.log_level)
         handler, _ = COMMANDS[args.command]
-        return handler(args, argv[split + 1:])
+        # An agent handles its own signals; every other command stops what it started.
+        with contextlib.nullcontext() if args.command == "launch" else stop_cleanly():
+            return handler(args, argv[split + 1:])
     except FtrtError as exc:
         print(f"ftrt: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("ftrt: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        print(f"ftrt: {exc}" if isinstance(exc, Stopped) else "ftrt: interrupted", file=sys.stderr)
+        return getattr(exc, "exit_code", 130)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ also exercises its fault injector against the real cluster).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +179,55 @@ def test_recovery_is_measured_to_the_end_of_the_longest_stall_after_the_fault():
     # A fault that does not stall training: a jitter seconds later is not its recovery.
     steady = [1.0 + 0.1 * i for i in range(60)] + [7.4, 7.5]
     assert recovery_time(1.02, steady, window_end=20) < 1.2  # within the lead, not 6.4 s later
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stopped_chaos_run_stops_its_etcd_and_agents(tmp_path, sig):
+    """``ftrt chaos run`` stopped from outside (a shell's kill, a CI timeout, Ctrl-C) leaves nothing running."""
+    import signal
+    import time
+
+    from ftrt.chaos.local import descendants, wait_until
+
+    report = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, "-m", "ftrt.cli.main", "chaos", "run", str(builtin_dir() / "kill-node.yaml"),
+                             "--report", str(report)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started: set[int] = set()
+    try:
+        def joined() -> bool:
+            logs = list((report / "work").glob("run-agent-*.log"))
+            return len(logs) >= 2 and all("joined job" in p.read_text(errors="replace") for p in logs)
+
+        wait_until(joined, 90, "the chaos run's agents to join")
+        started.update(descendants(proc.pid))
+        names = {open(f"/proc/{p}/comm").read().strip() for p in started if Path(f"/proc/{p}").exists()}
+        assert "etcd" in names, names  # the run's own etcd, and its agents and workers (python)
+        proc.send_signal(getattr(signal, sig))
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + getattr(signal, sig), out[-2000:]
+        assert f"stopped by {sig}" in out, out[-2000:]
+
+        def alive() -> list[int]:
+            left = []
+            for pid in started:
+                try:
+                    if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                        left.append(pid)
+                except OSError:
+                    pass
+            return left
+
+        deadline = time.monotonic() + 10
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(), f"still running after the chaos run stopped: {alive()}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -299,6 +299,34 @@ def test_restore_during_a_storage_outage_uses_memory_or_says_storage_is_unreacha
         proxy.restore()
 
 
+def test_a_memory_restore_does_not_wait_for_a_hanging_storage(s3, tmp_path, caplog):
+    """Storage that hangs (no answer, botocore's default retries) does not hold up a memory restore: with
+    the job's pointer storage is not asked at all, and without one its listing is cut short."""
+    url, opts, proxy = s3
+    patient = {k: v for k, v in opts.items() if k != "config_kwargs"}  # botocore's defaults: 60 s, retries
+    src = make_state()
+    mem = tmp_path / "mem"
+    with Checkpointer(url, storage_options=opts, mem_dir=str(mem)) as ck:
+        ck.save(5, src).wait(120)
+    proxy.hang()
+    try:
+        with Checkpointer(url, storage_options=patient, mem_dir=str(mem), latest_limit=lambda: 5) as ck:
+            dst = fresh_state()
+            with caplog.at_level("WARNING", logger="ftrt.checkpoint"):
+                assert ck.restore(dst) == 5 and ck.last_restore_tier == "memory"
+            assert not [r for r in caplog.records if "cannot list" in r.message]  # storage was not asked
+        assert same_params(src["model"], dst["model"])
+        with Checkpointer(url, storage_options=patient, mem_dir=str(mem)) as ck:
+            t0 = time.monotonic()
+            with caplog.at_level("WARNING", logger="ftrt.checkpoint"):
+                assert ck.restore(fresh_state()) == 5 and ck.last_restore_tier == "memory"
+            assert time.monotonic() - t0 < 30  # botocore alone would wait 60 s per attempt
+            assert any("cannot list the checkpoints" in r.message and "did not answer" in r.message
+                       for r in caplog.records), caplog.text
+    finally:
+        proxy.restore()
+
+
 def test_skip_if_busy_skips_a_memory_checkpoint_whose_slot_is_still_being_written(s3, tmp_path):
     """Memory checkpoints every step while a slow storage save holds the other slot: skipped, never waited for."""
     url, opts, proxy = s3
