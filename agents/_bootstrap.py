@@ -10,9 +10,8 @@ Wire protocol (JSON lines):
 
 - agent -> worker on ``FTRT_CONTROL_FD``: one ``{"env": {...}, "argv": [...], "script": str|null,
   "module": str|null, "cwd": str}``;
-- worker -> agent on ``FTRT_REPORT_FD``: ``{"t": "ready", "pid": .., "store_port": ..}`` once warm,
-  ``{"t": "started"}`` after the assignment, and ``{"t": "hb", "step": .., "time": ..}`` from
-  :meth:`ftrt.Runtime.heartbeat`.
+- worker -> agent on ``FTRT_REPORT_FD``: :func:`ftrt.reports.ready` once warm, then whatever the
+  script reports through :class:`ftrt.Runtime` (:mod:`ftrt.reports` owns every message type).
 
 The process dies with its agent (``PR_SET_PDEATHSIG``) and runs the fence watchdog
 (:mod:`ftrt.agents.fence`) once assigned. Started as a *template* (:mod:`ftrt.agents.template`),
@@ -24,7 +23,7 @@ import json
 import os
 import sys
 
-from ftrt import envnames
+from ftrt import envnames, reports
 from ftrt.agents import template
 
 _STORE = None  # the round's TCPStore server lives as long as this process
@@ -84,7 +83,7 @@ def main() -> None:
             wait_for_workers=False, use_libuv=True,
         )
         store_port = _STORE.port
-    _report(report_fd, {"t": "ready", "pid": os.getpid(), "store_port": store_port})
+    _report(report_fd, reports.ready(os.getpid(), store_port))
 
     job = _read_assignment(control_fd)
     os.close(control_fd)
@@ -99,7 +98,6 @@ def main() -> None:
         from ftrt.agents.fence import start_watchdog
 
         start_watchdog(fence_path)
-    _report(report_fd, {"t": "started"})
 
     import runpy
 

@@ -30,6 +30,7 @@ import tempfile
 import time
 import uuid
 
+from ftrt import reports
 from ftrt.agents.auth import JobToken, job_token
 from ftrt.agents.boundary import RoundEndWriter, boundary_timeout, planned_change
 from ftrt.agents.config import LaunchConfig
@@ -391,11 +392,11 @@ class Agent:
             self.log.debug("ignored a malformed %s report from rank %s", kind, worker.rank)
 
     def _report_event(self, worker: Worker, kind, msg: dict) -> None:
-        if kind == "restore":
+        if kind == reports.RESTORE:
             self._events.emit("restore", f"rank {worker.rank} restored step {msg.get('step')} from "
                               f"{msg.get('tier')} in {float(msg.get('seconds', 0)):.2f} s", rank=worker.rank,
                               tier=msg.get("tier"), step=msg.get("step"), seconds=msg.get("seconds"))
-        elif kind == "ckpt":
+        elif kind == reports.CKPT:
             self._events.emit("checkpoint_committed", f"checkpoint step {msg.get('step')} committed to "
                               f"{msg.get('tier')} in {float(msg.get('save_s', 0)):.2f} s", local=True,
                               tier=msg.get("tier"), step=msg.get("step"), seconds=msg.get("save_s"),
@@ -427,7 +428,7 @@ class Agent:
             return
         hung = find_hung(
             time.monotonic(),
-            [(w.rank, w.last_heartbeat) for w in self.pool.running if w.exit_code is None],
+            [(w.rank, w.last_heartbeat) for w in self.pool.running if w.exit_code is None and not w.done],
             self.cfg.hang_timeout,
         )
         if hung:

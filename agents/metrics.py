@@ -23,6 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ftrt import reports
+
 log = logging.getLogger(__name__)
 
 RESTART_REASONS = ("node_lost", "worker_failure", "worker_hang", "node_joined", "quorum_regained", "other")
@@ -148,20 +150,20 @@ class AgentMetrics:
         """A worker's checkpoint or trainer report (``ckpt``, ``restore``, ``stats``, ``mem``)."""
         kind = msg.get("t")
         try:
-            if kind in ("ckpt", "mem"):
-                tier = "memory" if kind == "mem" else str(msg.get("tier", "storage"))
+            if kind in (reports.CKPT, reports.MEM):
+                tier = "memory" if kind == reports.MEM else str(msg.get("tier", "storage"))
                 if tier not in TIERS:
                     return
-                if kind == "mem":
+                if kind == reports.MEM:
                     self._mem_steps[int(msg.get("rank", -1))] = int(msg.get("step", -1))
                 if "save_s" in msg:
                     self.save_seconds.labels(tier).observe(float(msg["save_s"]))
                 if "bytes" in msg:
                     self.ckpt_bytes.labels(tier).set(float(msg["bytes"]))
                 self.ckpt_step.labels(tier).set(int(msg.get("step", -1)))
-            elif kind == "restore" and msg.get("tier") in TIERS:
+            elif kind == reports.RESTORE and msg.get("tier") in TIERS:
                 self.restore_seconds.labels(msg["tier"]).observe(float(msg.get("seconds", 0.0)))
-            elif kind == "stats" and isinstance(msg.get("values"), dict):
+            elif kind == reports.STATS and isinstance(msg.get("values"), dict):
                 for name, value in msg["values"].items():
                     if self._trainer_ok(name):
                         self._trainer_gauge(name).set(float(value))

@@ -1,6 +1,6 @@
 """Peer replication of memory checkpoints: each node's newest arenas copied to another node.
 
-When a worker reports a complete memory checkpoint (``{"t": "mem", "rank": r, "step": s}``), the
+When a worker reports a complete memory checkpoint (:func:`ftrt.reports.memory_saved`), the
 agent streams that rank's arena (index first, then the bytes in 1 MiB chunks) to its ring successor
 in the current round with :meth:`AgentService.PutReplica`. Replication is latest-wins per rank: a
 checkpoint superseded before its turn is skipped. The receiver writes into the alternate slot of

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
-from ftrt import _diag, envnames
-from ftrt.agents import boundary, template
+from ftrt import _diag, envnames, reports
+from ftrt.agents import template
 from ftrt.agents.template import ForkedProc, TemplateError
 
 log = logging.getLogger(__name__)
@@ -191,6 +191,8 @@ class Worker:
     last_heartbeat: float | None = None
     step_interval: float | None = None
     """Seconds per step between its last two heartbeats (None before two)."""
+    done: bool = False
+    """It said its work is done (:meth:`ftrt.Runtime.done`): its teardown is not judged for hangs."""
     polls_boundary: bool = False
     """It polls the round-end file (:mod:`ftrt.agents.boundary`): a planned round waits for it."""
     assigned_at: float = 0.0
@@ -567,24 +569,29 @@ class WorkerPool:
                 except ValueError:
                     continue
                 kind = msg.get("t")
-                if kind == "hb":
+                if kind == reports.HEARTBEAT:
                     step, now = int(msg.get("step", -1)), time.monotonic()
                     if worker.last_heartbeat is not None and step > worker.step >= 0:
                         worker.step_interval = (now - worker.last_heartbeat) / (step - worker.step)
                     worker.step, worker.last_heartbeat = step, now
                     if self.on_heartbeat is not None:
                         self.on_heartbeat(worker)
-                elif kind == boundary.REPORT:
+                elif kind == reports.DONE:
+                    if not worker.done:
+                        worker.done = True
+                        log.info("rank %d is done (step %s); its teardown is not judged for hangs",
+                                 worker.rank, msg.get("step"))
+                elif kind == reports.BOUNDARY:
                     worker.polls_boundary = True
-                elif kind == "exit" and self._template is not None and worker is self._template.worker:
+                elif kind == reports.EXIT and self._template is not None and worker is self._template.worker:
                     self._template.exited(int(msg.get("pid", -1)), int(msg.get("code", -1)))
-                elif kind == "mem" and self.on_memory is not None:
+                elif kind == reports.MEM and self.on_memory is not None:
                     self.on_memory(int(msg.get("rank", -1)), int(msg.get("step", -1)))
                     if self.on_report is not None:
                         self.on_report(worker, msg)
-                elif kind in ("ckpt", "restore", "stats") and self.on_report is not None:
+                elif kind in (reports.CKPT, reports.RESTORE, reports.STATS) and self.on_report is not None:
                     self.on_report(worker, msg)
-                elif kind == "ready":
+                elif kind == reports.READY:
                     worker.store_port = int(msg.get("store_port", 0))
                     if worker.state == "warming":
                         worker.state = "warm"

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ftrt import _diag
+from ftrt import _diag, reports
 from ftrt.checkpoint import manifest as mf
 from ftrt.checkpoint.signing import CheckpointKey
 from ftrt.checkpoint import memtier
@@ -360,8 +360,7 @@ class Checkpointer:
                 torch.cuda.synchronize()
             self._arena.commit(slot=slot, step=step, round_no=self.round_no, world=self.world,
                                entries=entries, size=size, skeleton=skeleton)
-            self._report({"t": "mem", "rank": self.rank, "step": step, "bytes": size,
-                          "save_s": round(time.perf_counter() - t0, 6)})
+            self._report(reports.memory_saved(self.rank, step, size, time.perf_counter() - t0))
             for key, t in flat.items():
                 if memtier._is_dtensor(t):
                     staged[key] = type(t).from_local(staged[key], t.device_mesh, t.placements, run_check=False,
@@ -414,8 +413,7 @@ class Checkpointer:
             self.last_committed = step
             if self.rank == 0:
                 self._delete_pool.submit(self._retain)
-                self._report({"t": "ckpt", "tier": "storage", "rank": 0, "step": step, "bytes": written,
-                              "save_s": round(time.perf_counter() - t0, 6)})
+                self._report(reports.committed("storage", 0, step, written, time.perf_counter() - t0))
         finally:
             self._stager.release(slot)
             handle.persist_s = time.perf_counter() - t0
@@ -542,8 +540,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         step = self._restore(state)
         if step is not None:
-            self._report({"t": "restore", "rank": self.rank, "tier": self.last_restore_tier, "step": step,
-                          "seconds": round(time.perf_counter() - t0, 6)})
+            self._report(reports.restored(self.rank, self.last_restore_tier, step, time.perf_counter() - t0))
         return step
 
     def _restore(self, state: dict[str, Any]) -> int | None:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from ftrt import _diag, envnames
+from ftrt import _diag, envnames, reports
 
 if TYPE_CHECKING:
     from ftrt.agents.boundary import RoundEndReader
@@ -80,7 +80,17 @@ class Runtime:
         self.last_step = int(step)
         if _diag.off("heartbeat"):
             return
-        self.report({"t": "hb", "step": self.last_step, "time": time.time()})
+        self.report(reports.heartbeat(self.last_step))
+
+    def done(self) -> None:
+        """Tell the agent this worker finished its work; what follows is teardown (a final barrier,
+        destroying the process group, the interpreter joining threads, a last log write).
+
+        Hang detection stops judging this worker: its teardown may be silent for longer than
+        ``--hang-timeout`` without failing the round. Its exit code still counts. Call it after the
+        last checkpoint is closed. Non-blocking; a no-op outside ftrt.
+        """
+        self.report(reports.done(self.last_step))
 
     def round_ending(self) -> bool:
         """Whether this worker's agent asked its round to end at the next step boundary.
@@ -100,10 +110,8 @@ class Runtime:
         if self._round_end is None:
             return False
         if not self._polls_round_end:
-            from ftrt.agents.boundary import REPORT
-
             self._polls_round_end = True
-            self.report({"t": REPORT})
+            self.report(reports.boundary())
         return self._round_end.ending(self.round)
 
     def exit_for_round(self) -> None:
@@ -126,7 +134,7 @@ class Runtime:
         endpoint (``ftrt launch --metrics-port``) as ``ftrt_trainer_<name>`` gauges. Names are
         lower-case letters, digits and ``_`` (at most 48 characters, 32 names a job); call it from
         one rank (rank 0) once a step or less. Non-blocking; a no-op outside ftrt."""
-        self.report({"t": "stats", "values": {k: float(v) for k, v in values.items()}})
+        self.report(reports.stats(values))
 
     def report(self, message: dict) -> None:
         """Send one JSON message to the agent (non-blocking; dropped if the agent is behind)."""

@@ -37,6 +37,8 @@ def main() -> None:
                    help="rank --fail-rank exits 1 at the step written in this file, once it exists")
     p.add_argument("--fault-marker", default=None,
                    help="file recording the injected fault (default: next to --ckpt); it fires once")
+    p.add_argument("--teardown", type=float, default=0.0,
+                   help="seconds of teardown after the last step (told to the agent with rt.done(): not a hang)")
     p.add_argument("--plain", action="store_true",
                    help="hand-written data parallelism (all_reduce of gradients, manual SGD) instead of "
                         "DDP and torch.optim; these import torch._dynamo (2-3 s), which tests avoid")
@@ -105,6 +107,8 @@ def main() -> None:
         if spent < args.step_time:
             time.sleep(args.step_time - spent)
     dist.barrier()
+    rt.done()
+    time.sleep(args.teardown)
     dist.destroy_process_group()
 
 

@@ -262,6 +262,8 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     bar.close()
     if ck is not None:
         ck.close()  # waits for the last save: the final state is committed before we report
+    if not ended_for_round:
+        rt.done()  # what follows (the summary, destroying the process group) is teardown, not a hang
     wall = time.perf_counter() - t_start
     last = rewards[-10:]
     summary = {

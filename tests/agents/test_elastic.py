@@ -112,6 +112,17 @@ def test_one_hung_worker_restarts_the_job_once_though_every_agent_sees_a_hang(tm
     assert "sent no heartbeat" in a.log() + b.log()
 
 
+def test_a_worker_that_said_it_is_done_is_not_judged_hung_during_its_teardown(tmp_path, make_node):
+    """A worker's teardown (the interpreter joining threads, a long final log write) sends no heartbeats;
+    after ``rt.done()`` that silence is not a hang, and the job ends once, with every worker's exit 0."""
+    progress = Progress(tmp_path / "p.jsonl")
+    a = make_node("a", ddp_args(progress.path, steps=10, extra=("--teardown", "4")), nnodes="1",
+                  extra=("--hang-timeout", "1"))
+    assert a.wait(120) == 0, a.log()
+    assert "sent no heartbeat" not in a.log() and {x["round"] for x in progress.lines()} == {1}, a.log()
+    assert "rank 0 is done" in a.log()
+
+
 def test_new_node_is_admitted_and_the_world_grows(tmp_path, make_node):
     progress = Progress(tmp_path / "p.jsonl")
     script = ddp_args(progress.path, steps=250)
