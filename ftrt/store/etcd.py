@@ -199,6 +199,8 @@ class EtcdStore:
         self._channel: grpc.aio.Channel | None = None
         self._closed = False
         self._watch_calls: set = set()
+        self._keepalive_calls: dict[int, grpc.aio.StreamStreamCall] = {}
+        self._keepalive_lock = asyncio.Lock()
         self.errors = 0
         """Failed call attempts so far, retried or not (``ftrt_etcd_errors_total``)."""
         self._connected = False  # a call succeeded: a handshake failure from now on is transient
@@ -450,44 +452,62 @@ class EtcdStore:
         return Lease(resp.ID, float(resp.TTL))
 
     async def keep_alive(self, lease_id: int, *, timeout: float | None = None) -> float:
+        """Renew ``lease_id`` once and return its new TTL, on one long-lived keep-alive stream per
+        lease (as etcd's own clients do): a renewal is a message on an open stream, not a new one.
+        A stream that fails or stays silent for ``attempt_timeout`` is dropped and opened again
+        within the deadline."""
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
         backoff = _Backoff(deadline)
         stale = ""
-        while True:
-            metadata = await self._metadata(deadline, stale)
-            remaining = deadline - time.monotonic()
-            call = self._lease_stub.LeaseKeepAlive(
-                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
-                timeout=max(0.01, min(remaining, self.attempt_timeout)),
-                metadata=metadata,
-            )
-            try:
-                async for resp in call:
-                    if resp.TTL <= 0:
-                        raise LeaseLost(
-                            f"Lease {lease_id:#x} is gone from etcd (expired or revoked)."
-                        )
-                    return float(resp.TTL)
-                raise StoreUnavailable("etcd closed the keep-alive stream without an answer.")
-            except grpc.aio.AioRpcError as exc:
-                self.errors += 1
-                if self._token_refused(exc) and time.monotonic() < deadline:
-                    stale = self._token
+        async with self._keepalive_lock:  # one request in flight per stream: answers come in order
+            while True:
+                metadata = await self._metadata(deadline, stale)
+                call = self._keepalive_calls.get(lease_id)
+                if call is None:
+                    call = self._lease_stub.LeaseKeepAlive(metadata=metadata)
+                    self._keepalive_calls[lease_id] = call
+                wait = max(0.01, min(deadline - time.monotonic(), self.attempt_timeout))
+                try:
+                    await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+                    resp = await asyncio.wait_for(call.read(), wait)
+                    if resp is grpc.aio.EOF:
+                        raise StoreUnavailable("etcd closed the keep-alive stream")
+                except asyncio.CancelledError:
+                    self._drop_keepalive(lease_id)  # its answer may still come: never read it as the next one's
+                    raise
+                except (grpc.aio.AioRpcError, TimeoutError, StoreUnavailable, grpc.aio.UsageError) as exc:
+                    self._drop_keepalive(lease_id)
+                    self.errors += 1
+                    if isinstance(exc, grpc.aio.AioRpcError):
+                        if self._token_refused(exc) and time.monotonic() < deadline:
+                            stale = self._token
+                            continue
+                        self._check_handshake(exc)
+                        if exc.code() not in _TRANSIENT:
+                            raise self._translate(exc, f"keep-alive of lease {lease_id:#x}") from exc
+                        why = exc.code().name
+                    else:
+                        why = f"no answer in {wait:.2f} s" if isinstance(exc, TimeoutError) else str(exc)
+                    if backoff.spent():
+                        raise StoreUnavailable(
+                            f"etcd at {self.endpoint_text} did not renew lease {lease_id:#x} within "
+                            f"{budget:.1f} s ({why})."
+                        ) from exc
+                    await backoff.wait()
                     continue
-                self._check_handshake(exc)
-                if exc.code() not in _TRANSIENT:
-                    raise self._translate(exc, f"keep-alive of lease {lease_id:#x}") from exc
-                if backoff.spent():
-                    raise StoreUnavailable(
-                        f"etcd at {self.endpoint_text} did not renew lease {lease_id:#x} within "
-                        f"{budget:.1f} s ({exc.code().name})."
-                    ) from exc
-                await backoff.wait()
-            finally:
-                call.cancel()
+                if resp.TTL <= 0:
+                    self._drop_keepalive(lease_id)
+                    raise LeaseLost(f"Lease {lease_id:#x} is gone from etcd (expired or revoked).")
+                return float(resp.TTL)
+
+    def _drop_keepalive(self, lease_id: int) -> None:
+        call = self._keepalive_calls.pop(lease_id, None)
+        if call is not None:
+            call.cancel()
 
     async def revoke_lease(self, lease_id: int, *, timeout: float | None = None) -> None:
+        self._drop_keepalive(lease_id)
         req = rpc.LeaseRevokeRequest(ID=lease_id)
         try:
             await self._unary(f"revoke of lease {lease_id:#x}", "LeaseRevoke", "_lease_stub", req, timeout)
@@ -596,6 +616,8 @@ class EtcdStore:
         self._closed = True
         for call in list(self._watch_calls):
             call.cancel()
+        for lease_id in list(self._keepalive_calls):
+            self._drop_keepalive(lease_id)
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

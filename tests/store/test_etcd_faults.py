@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 
 import pytest
 
-from ftrt.errors import ConfigError, StoreUnavailable
+from ftrt.errors import ConfigError, LeaseLost, StoreUnavailable
 from ftrt.store.etcd import EtcdStore, parse_endpoints
 
 
@@ -41,6 +42,34 @@ async def test_lease_survives_a_quick_server_restart(own_etcd):
         own_etcd.start()
         assert await store.keep_alive(lease.id) > 0
         assert (await store.get("/l/node"))[0] is not None
+    finally:
+        await store.close()
+
+
+def _keepalive_streams(endpoint: str) -> int:
+    """LeaseKeepAlive streams etcd has seen opened (its /metrics)."""
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+    return sum(int(float(line.rpartition(" ")[2])) for line in text.splitlines()
+               if line.startswith("grpc_server_started_total{") and 'grpc_method="LeaseKeepAlive"' in line)
+
+
+async def test_renewals_share_one_keep_alive_stream_which_is_reopened_after_a_restart(own_etcd):
+    store = EtcdStore(own_etcd.endpoint, timeout=5.0)
+    try:
+        lease = await store.grant_lease(5)
+        before = _keepalive_streams(own_etcd.endpoint)
+        ttls = [await store.keep_alive(lease.id) for _ in range(20)]
+        assert all(t > 0 for t in ttls)
+        assert _keepalive_streams(own_etcd.endpoint) - before == 1
+        own_etcd.kill()
+        own_etcd.start()  # the open stream breaks; the next renewal opens a new one
+        assert await store.keep_alive(lease.id) > 0
+        for _ in range(5):
+            await store.keep_alive(lease.id)
+        assert _keepalive_streams(own_etcd.endpoint) == 1  # counters restart with the server
+        await store.revoke_lease(lease.id)
+        with pytest.raises(LeaseLost):
+            await store.keep_alive(lease.id)
     finally:
         await store.close()
 
