@@ -21,11 +21,12 @@ def write_report(report: Report, out: Path, metrics: list[dict]) -> None:
         f"goodput {report.goodput if report.goodput is not None else 'n/a'} (productive step time / wall time "
         f"from the first step), {report.wall_s} s in all.",
         "",
-        "| fault | target | at (s) | at step | recovery (s) | detail |",
-        "|---|---|---|---|---|---|",
+        "| fault | target | at (s) | at step | spares | recovery (s) | limit (s) | detail |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for f in report.faults:
-        lines.append(f"| {f.kind} | {f.target} | {f.at} | {f.step} | {f.recovery_s} | {f.detail} |")
+        lines.append(f"| {f.kind} | {f.target} | {f.at} | {f.step} | {'warm' if f.spares_warm else 'cold'} | "
+                     f"{f.recovery_s} | {f.limit_s if f.limit_s is not None else '-'} | {f.detail} |")
     if report.metrics:
         lines += ["", "| node | agent's ftrt_recovery_seconds (count, mean) | ftrt_restarts_total |", "|---|---|---|"]
         for node, m in sorted(report.metrics.items()):

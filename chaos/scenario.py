@@ -112,6 +112,10 @@ class Expect(_Strict):
     """What must hold at the end besides the standard invariants."""
 
     max_recovery_s: float = Field(30.0, gt=0, description="each fault: seconds to the next trained step")
+    max_cold_recovery_s: float | None = Field(
+        None, gt=0, description="a fault that met some agent's spare workers still warming (e.g. soon "
+        "after a start or another fault): its limit instead of max_recovery_s (default: the larger of "
+        "max_recovery_s and 30)")
     equivalence: Literal["exact", "ledger", "none"] = Field(
         "ledger", description="exact: per-step metrics equal a fault-free run's; ledger: the same "
         "prompts trained step for step; none: no comparison")

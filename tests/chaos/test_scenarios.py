@@ -67,10 +67,11 @@ def run_scenario(name: str, report: Path) -> tuple[subprocess.CompletedProcess, 
     return res, data
 
 
-def check(res: subprocess.CompletedProcess, data: dict, name: str) -> None:
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
-    assert data["passed"] is True and data["scenario"] == name
-    assert all(v["ok"] for v in data["invariants"].values()), data["invariants"]
+def check(res: subprocess.CompletedProcess, data: dict, name: str, report: Path) -> None:
+    kept = f"\nreport, agents' logs and timeline kept in {report}"
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:] + kept
+    assert data["passed"] is True and data["scenario"] == name, kept
+    assert all(v["ok"] for v in data["invariants"].values()), (data["invariants"], kept)
     assert data["faults"] and all(f["recovery_s"] is not None for f in data["faults"])
 
 
@@ -79,7 +80,7 @@ def check(res: subprocess.CompletedProcess, data: dict, name: str) -> None:
 @pytest.mark.parametrize("name", QUICK)
 def test_quick_scenarios_pass(tmp_path, name):
     res, data = run_scenario(name, tmp_path / name)
-    check(res, data, name)
+    check(res, data, name, tmp_path / name)
     assert (tmp_path / name / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     assert "| invariant | holds | why |" in (tmp_path / name / "report.md").read_text()
 
@@ -89,7 +90,7 @@ def test_quick_scenarios_pass(tmp_path, name):
 @pytest.mark.parametrize("name", sorted(p.stem for p in builtin_dir().glob("*.yaml") if p.stem not in QUICK))
 def test_builtin_scenario_passes(tmp_path, name):
     res, data = run_scenario(name, tmp_path / name)
-    check(res, data, name)
+    check(res, data, name, tmp_path / name)
 
 
 @pytest.mark.slow
@@ -105,6 +106,39 @@ def test_a_broken_invariant_fails_the_run_with_a_reason(tmp_path):
     data = json.loads((tmp_path / "r" / "report.json").read_text())
     assert data["passed"] is False and data["invariants"]["recovered"]["ok"] is False
     assert "limit 0.001 s" in data["invariants"]["recovered"]["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_fault_due_while_spares_warm_is_injected_at_its_step_and_judged_cold(tmp_path):
+    """A fault soon after the start meets spares still warming. It is injected at its step (it once
+    waited for warm spares, up to halfway through the steps left, and a short job could end first),
+    the report says it was cold, and its recovery is judged against the cold limit."""
+    f = tmp_path / "early.yaml"
+    sc = (builtin_dir() / "kill-node.yaml").read_text().replace("steps: 250", "steps: 60").replace(
+        "at_step: 36", "at_step: 2")
+    f.write_text(sc)
+    res = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "chaos", "run", str(f), "--report",
+                          str(tmp_path / "r")], capture_output=True, text=True, timeout=600)
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    fault, = data["faults"]
+    kept = f"report, logs and timeline kept in {tmp_path / 'r'}"
+    assert 2 <= fault["step"] <= 4 and fault["spares_warm"] is False, (fault, kept)
+    assert fault["limit_s"] == 30.0 and data["passed"] is True, (data["invariants"], kept)
+    assert "1 cold, limit 30.0 s" in data["invariants"]["recovered"]["reason"]
+    assert "| cold |" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_a_cold_fault_has_its_own_recovery_limit():
+    from ftrt.chaos.runner import recovery_limit
+    from ftrt.chaos.scenario import Scenario
+
+    sc = Scenario(name="x", description="y", expect={"max_recovery_s": 5})
+    assert recovery_limit(sc, True) == 5 and recovery_limit(sc, False) == 30
+    sc = Scenario(name="x", description="y", expect={"max_recovery_s": 45})
+    assert recovery_limit(sc, False) == 45
+    sc = Scenario(name="x", description="y", expect={"max_recovery_s": 5, "max_cold_recovery_s": 8})
+    assert recovery_limit(sc, False) == 8
 
 
 def test_storm_faults_are_reproducible_from_the_seed():
