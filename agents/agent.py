@@ -131,7 +131,7 @@ class Agent:
         self._background: set[asyncio.Task] = set()
         self.metrics = metrics_for(
             cfg.metrics_port is not None, cfg.node_id, etcd_errors=lambda: getattr(self.store, "errors", 0),
-            replicas=lambda: dict(self.replicator.last_sent) if self.replicator and self.replicator.peer else None,
+            replicas=lambda: self.replicator.replicated() if self.replicator else None,
         )
         self._metrics_server = None
         self._event_file = None
@@ -582,9 +582,9 @@ class Agent:
                 if rec is not None and rec.agent_addr:
                     peers[nid] = rec.agent_addr
         self._monitor.watch(peers)
-        successors = ring_successors(rnd.node_ids, self.cfg.node_id, k=1) if rnd is not None else []
-        successor = rnd.member(successors[0]) if successors and rnd is not None else None
-        self.replicator.set_peer(successor.agent_addr or None if successor is not None else None)
+        targets = ring_successors(rnd.node_ids, self.cfg.node_id, k=self.cfg.replicas) if rnd is not None else []
+        members = [rnd.member(nid) for nid in targets] if rnd is not None else []
+        self.replicator.set_peers([m.agent_addr for m in members if m is not None and m.agent_addr])
 
     # -- shutdown -------------------------------------------------------------------------------
     async def _shutdown(self) -> None:

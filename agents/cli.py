@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--replica-interval", dest="replica_interval", type=float, default=10.0,
         help="seconds between two copies of a data-parallel rank's memory checkpoint to the peer node "
              "(default 10; 0: every one; sharded ranks: every one)")
+    add("--replicas", type=int, default=1, metavar="K",
+        help="copies of each node's memory checkpoints on other nodes (its K ring successors; default 1): "
+             "any K nodes lost at once still restore from memory")
     add("--mtbf", type=float, default=None, metavar="SECONDS",
         help="mean seconds between failures to plan checkpoint cadence for (default: observed from the "
              "job's faults, or one hour while there are none)")
@@ -129,7 +132,7 @@ def config_from_namespace(ns: argparse.Namespace) -> "LaunchConfig":
         first_round_wait=ns.first_round_wait, stop_grace=ns.stop_grace,
         restart_grace=ns.restart_grace, warm_workers=ns.warm_workers,
         exit_barrier_timeout=ns.exit_barrier_timeout, replica_interval=ns.replica_interval,
-        mtbf=ns.mtbf, script_args=tuple(ns.args), etcd_access=access.from_args(ns),
+        replicas=ns.replicas, mtbf=ns.mtbf, script_args=tuple(ns.args), etcd_access=access.from_args(ns),
         metrics_port=ns.metrics_port, event_log=ns.event_log, checkpoint_key_file=ns.checkpoint_key_file,
         agent_tls=agent_tls.from_args(ns),
     )

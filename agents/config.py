@@ -91,6 +91,10 @@ class LaunchConfig(BaseModel):
         "checkpoint that holds every tensor whole (data parallel; the newest is sent; 0: every one). "
         "Sharded ranks are copied after every checkpoint.",
     )
+    replicas: int = Field(
+        1, ge=1, description="Copies of each node's memory checkpoints on other nodes (its K ring "
+        "successors): any K nodes lost at once still leave each lost rank's newest copy on a survivor.",
+    )
     mtbf: Optional[float] = Field(
         None, gt=0, description="Mean seconds between failures to plan checkpoints for (workers read it "
         "as FTRT_MTBF; a checkpoint interval of 'auto' is chosen from it). Default: observed from the "

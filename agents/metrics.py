@@ -212,7 +212,7 @@ class _Live(Collector):
         yield steps
         yield age
         lag = GaugeMetricFamily("ftrt_replica_lag_steps", "Steps this node's newest memory checkpoint is ahead "
-                                "of its copy on the peer node (largest over its ranks).")
+                                "of its copies on its replica peers (largest over its ranks and peers).")
         sent = self.replicas()
         saved = dict(self.m._mem_steps)
         if saved and sent is not None:

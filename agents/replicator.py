@@ -1,8 +1,10 @@
-"""Peer replication of memory checkpoints: each node's newest arenas copied to another node.
+"""Peer replication of memory checkpoints: each node's newest arenas copied to K other nodes.
 
 When a worker reports a complete memory checkpoint (:func:`ftrt.reports.memory_saved`), the
-agent streams that rank's arena (index first, then the bytes in 1 MiB chunks) to its ring successor
-in the current round with :meth:`AgentService.PutReplica`. Replication is latest-wins per rank: a
+agent streams that rank's arena (index first, then the bytes in 1 MiB chunks) to each of its K
+ring successors in the current round (``--replicas K``, default 1) with
+:meth:`AgentService.PutReplica`. With K copies, any K nodes lost at once, adjacent ones included,
+leave a copy of each lost node's ranks on a survivor. Replication is latest-wins per rank: a
 checkpoint superseded before its turn is skipped. The receiver writes into the alternate slot of
 ``replicas/<node>/rank-<r>/`` and publishes the index only when every byte arrived and matched
 the CRC-32 the sender computed as it read them (the stream's last message), so a torn or damaged
@@ -64,7 +66,8 @@ def make_mem_dir() -> str:
 
 
 class Replicator:
-    """Sends this node's newest memory checkpoints to one peer agent."""
+    """Sends this node's newest memory checkpoints to its replica peers (``--replicas K``: the K
+    ring successors in the current round), each over its own :class:`_PeerLink`."""
 
     def __init__(self, node_id: str, mem_dir: str, token: JobToken, interval: float = 0.0,
                  tls: AgentTls = PLAINTEXT) -> None:
@@ -76,30 +79,85 @@ class Replicator:
         """Seconds between two sends of a rank whose checkpoint holds every tensor whole (the newest
         goes). A data-parallel rank's copy only backs up what every survivor holds too; a sharded
         rank's goes after every checkpoint, as a lost node's shards exist nowhere else."""
-        self._sent_at: dict[int, float] = {}
-        self._whole: dict[int, bool] = {}
-        self.peer: str | None = None
-        self._dirty: set[int] = set()
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self.sent_bytes = 0
-        self.sends: dict[int, int] = {}
-        """Copies sent, per rank."""
-        self.last_sent: dict[int, int] = {}
-        self._channel: tuple[str, grpc.aio.Channel] | None = None
-        """One channel to the current peer, kept across sends (a new one per send cost milliseconds)."""
+        self._links: dict[str, _PeerLink] = {}
+        self._closing: set[asyncio.Task] = set()
+
+    @property
+    def peers(self) -> list[str]:
+        """The agent addresses replicas go to now."""
+        return list(self._links)
+
+    @property
+    def sends(self) -> dict[int, int]:
+        """Copies sent, per rank, to every peer together."""
+        out: dict[int, int] = {}
+        for link in self._links.values():
+            for rank, n in link.sends.items():
+                out[rank] = out.get(rank, 0) + n
+        return out
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(link.sent_bytes for link in self._links.values())
+
+    def replicated(self) -> dict[int, int] | None:
+        """Per rank, the newest step every peer has received (the worst-placed copy counts); None
+        without peers."""
+        if not self._links:
+            return None
+        links = list(self._links.values())
+        ranks = set().union(*(link.last_sent for link in links))
+        return {r: min(link.last_sent.get(r, -1) for link in links) for r in ranks}
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="replicator")
+        """Nothing to start until peers are set; kept so the agent's start-up reads the same."""
 
-    def set_peer(self, addr: str | None) -> None:
-        if addr != self.peer:
-            self.peer = addr
-            if addr:  # a new peer has none of our checkpoints yet
-                self._dirty.update(int(p.name.split("-")[1]) for p in (Path(self.mem_dir) / "own").glob("rank-*"))
-                self.last_sent.clear()
-                self._sent_at.clear()
-                self._wake.set()
+    def set_peers(self, addrs: list[str]) -> None:
+        """Replicate to exactly ``addrs`` from now on: a new peer gets every rank's newest copy, a
+        peer no longer listed is dropped (its send in progress is cancelled)."""
+        for addr in [a for a in self._links if a not in addrs]:
+            task = asyncio.get_running_loop().create_task(self._links.pop(addr).close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        for addr in addrs:
+            if addr and addr not in self._links:
+                link = _PeerLink(self, addr)
+                self._links[addr] = link
+                link.notify_all()
+
+    def notify(self, rank: int) -> None:
+        """``rank`` has a new memory checkpoint: every peer gets it (latest-wins)."""
+        for link in self._links.values():
+            link.notify(rank)
+
+    async def close(self) -> None:
+        links, self._links = list(self._links.values()), {}
+        await asyncio.gather(*(link.close() for link in links), *self._closing, return_exceptions=True)
+
+
+class _PeerLink:
+    """Replication to one peer agent: latest-wins per rank, one gRPC channel, one task."""
+
+    def __init__(self, owner: Replicator, peer: str) -> None:
+        self.owner = owner
+        self.peer = peer
+        self._sent_at: dict[int, float] = {}
+        self._whole: dict[int, bool] = {}
+        self._dirty: set[int] = set()
+        self._wake = asyncio.Event()
+        self.sent_bytes = 0
+        self.sends: dict[int, int] = {}
+        """Copies sent to this peer, per rank."""
+        self.last_sent: dict[int, int] = {}
+        self._channel = owner.tls.channel(peer)
+        """One channel to the peer, kept across sends (a new one per send cost milliseconds)."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"replicate-to-{peer}")
+
+    def notify_all(self) -> None:
+        """A new peer has none of our checkpoints yet."""
+        for p in (Path(self.owner.mem_dir) / "own").glob("rank-*"):
+            self._dirty.add(int(p.name.split("-")[1]))
+        self._wake.set()
 
     def notify(self, rank: int) -> None:
         self._dirty.add(rank)
@@ -109,9 +167,9 @@ class Replicator:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._dirty and self.peer:
+            while self._dirty:
                 now = time.monotonic()
-                due = {r: self._sent_at.get(r, -1e9) + (self.interval if self._whole.get(r) else 0.0)
+                due = {r: self._sent_at.get(r, -1e9) + (self.owner.interval if self._whole.get(r) else 0.0)
                        for r in self._dirty}
                 rank = min(due, key=lambda r: (due[r], r))
                 if due[rank] > now:  # every dirty rank was sent less than `interval` ago
@@ -124,13 +182,13 @@ class Replicator:
                 self._dirty.discard(rank)
                 self._sent_at[rank] = now
                 try:
-                    await self._send(rank, self.peer)
+                    await self._send(rank)
                 except (grpc.aio.AioRpcError, OSError, ValueError) as exc:
                     log.warning("replicating rank %d's memory checkpoint to %s failed: %s", rank, self.peer,
                                 exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc)
 
-    async def _send(self, rank: int, peer: str) -> None:
-        directory = Path(self.mem_dir) / "own" / f"rank-{rank}"
+    async def _send(self, rank: int) -> None:
+        directory = Path(self.owner.mem_dir) / "own" / f"rank-{rank}"
         index = json.loads((directory / "current.json").read_text())
         self._whole[rank] = all(e["local_shape"] == e["global_shape"] for e in index["entries"])
         if self.last_sent.get(rank) == index["step"]:
@@ -139,7 +197,7 @@ class Replicator:
         t0 = time.monotonic()
 
         async def chunks():
-            yield agent_pb2.ReplicaChunk(source_node=self.node_id, rank=rank, step=index["step"],
+            yield agent_pb2.ReplicaChunk(source_node=self.owner.node_id, rank=rank, step=index["step"],
                                          index_json=json.dumps(index))
             crc = 0
             with open(path, "rb") as f:
@@ -155,29 +213,18 @@ class Replicator:
                 raise ValueError(f"rank {rank}'s arena slot was reused during replication")
             yield agent_pb2.ReplicaChunk(crc32=f"{crc:08x}")
 
-        stub = agent_pb2_grpc.AgentServiceStub(await self._channel_to(peer))
-        ack = await stub.PutReplica(chunks(), timeout=300, metadata=self.token.metadata())
+        stub = agent_pb2_grpc.AgentServiceStub(self._channel)
+        ack = await stub.PutReplica(chunks(), timeout=300, metadata=self.owner.token.metadata())
         self.sent_bytes += ack.bytes
         self.sends[rank] = self.sends.get(rank, 0) + 1
         self.last_sent[rank] = index["step"]
         log.debug("replicated rank %d step %d (%d bytes) to %s in %.2f s", rank, index["step"], ack.bytes,
-                  peer, time.monotonic() - t0)
-
-    async def _channel_to(self, peer: str) -> grpc.aio.Channel:
-        if self._channel is not None and self._channel[0] != peer:
-            await self._channel[1].close()
-            self._channel = None
-        if self._channel is None:
-            self._channel = (peer, self.tls.channel(peer))
-        return self._channel[1]
+                  self.peer, time.monotonic() - t0)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self._channel is not None:
-            await self._channel[1].close()
-            self._channel = None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self._channel.close()
 
 
 def _read_crc(f, n: int, crc: int) -> tuple[bytes, int]:

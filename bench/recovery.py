@@ -11,6 +11,11 @@ fault, and reads the step logs:
 - ``node_join``: 2 nodes train, a 3rd agent starts; time from its start until 3 ranks step, and
   the longest pause the running ranks saw.
 - ``node_freeze``: SIGSTOP a node's whole tree; time until the survivors step at world 2.
+- ``node_loss_early``: ``node_loss`` 15 steps after the job's first step, without waiting for
+  spares (``spares_warm_at_fault`` says whether they were).
+- ``fault_during_warmup``: a worker crash restarts every node's workers (ftrt's spares are used
+  and refill), and 1 s after every rank steps again a node is killed: its recovery, as
+  ``node_loss`` measures it, while spares are still warming (``first_recovery_s``: the crash's).
 
 torchrun runs its c10d rendezvous as usually deployed: the first node's agent hosts the rendezvous
 TCPStore (``is_host=true``; the others ``false``), with its best settings
@@ -42,7 +47,12 @@ from ftrt.store.etcd_server import EtcdServer, free_port
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "ftrt" / "examples" / "ddp_steps.py"
 TORCHRUN_BEST = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
-SCENARIOS = ("node_loss", "node_loss_rank0", "worker_crash", "node_join", "node_freeze")
+SCENARIOS = ("node_loss", "node_loss_rank0", "worker_crash", "node_join", "node_freeze", "node_loss_early",
+             "fault_during_warmup")
+EARLY_STEPS = 15
+"""``node_loss_early``: steps after the first one at which the node is killed."""
+SECOND_FAULT_AFTER_S = 1.0
+"""``fault_during_warmup``: seconds from the crash's recovery to the node kill."""
 LOG_ROOT = ROOT / "bench" / "results" / "logs"
 """Every run's agent logs are kept here, so an outlier can be explained afterwards."""
 CAP = 90.0  # seconds a recovery may take before the run is recorded as "no recovery"
@@ -119,6 +129,12 @@ class Cluster:
             return True
         return all("spares warm again" in n.log() for n in self.nodes.values() if n.alive())
 
+    def spares_warm_now(self) -> bool:
+        """Every live ftrt agent holds warm spares now (after its last round started)."""
+        if self.system != "ftrt" or "--no-warm" in self.launch_extra:
+            return True
+        return all(n.spares_warm() for n in self.nodes.values() if n.alive())
+
     def node_of_rank(self, rank: int, since: float = 0.0) -> str:
         """The node whose process tree holds the worker that last logged ``rank``."""
         pid = [x["pid"] for x in self.log.after(since) if x["rank"] == rank][-1]
@@ -142,10 +158,12 @@ class Cluster:
             self._etcd.stop()
 
 
-def _train(c: Cluster, names: list[str], steps: int) -> None:
+def _train(c: Cluster, names: list[str], steps: int, *, warm: bool = True) -> None:
     for name in names:
         c.add(name, c.script_args(steps))
     wait_until(lambda: c.log.stepping(world=len(names), ranks=len(names)), 120, "training to start")
+    if not warm:
+        return
     wait_until(c.spares_warm, 120, "spare workers to be warm")
     time.sleep(1.0)  # a stretch of steady training before the fault
 
@@ -164,7 +182,16 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
             t0 = c.nodes[victim].freeze() if scenario == "node_freeze" else c.nodes[victim].kill()
             first = _wait_or_none(lambda: c.log.stepping(world=2, ranks=2, since=t0))
             result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
-        elif scenario == "worker_crash":
+        elif scenario == "node_loss_early":
+            _train(c, ["n0", "n1", "n2"], steps=100000, warm=False)
+            first_step = min(x["step"] for x in c.log.lines())
+            wait_until(lambda: max(x["step"] for x in c.log.lines()) >= first_step + EARLY_STEPS, 60,
+                       f"{EARLY_STEPS} steps")
+            result["spares_warm_at_fault"] = c.spares_warm_now()
+            t0 = c.nodes[c.victim(rank0=False)].kill()
+            first = _wait_or_none(lambda: c.log.stepping(world=2, ranks=2, since=t0))
+            result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
+        elif scenario in ("worker_crash", "fault_during_warmup"):
             _train(c, ["n0", "n1", "n2"], steps=100000)
             # Arm the crash now that spares are warm: rank 1 exits at a step a little ahead.
             current = max(x["step"] for x in c.log.lines())
@@ -175,6 +202,15 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
             t0 = crash["time"]
             first = _wait_or_none(lambda: _new_pids_stepping(c.log, t0, 3))
             result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
+            if scenario == "fault_during_warmup" and first:
+                result["first_recovery_s"] = result["recovery_s"]
+                time.sleep(max(0.0, max(first.values()) + SECOND_FAULT_AFTER_S - time.time()))
+                result["spares_warm_at_fault"] = c.spares_warm_now()
+                victim = c.victim(rank0=False)
+                t1 = c.nodes[victim].kill()
+                result["after_first_s"] = round(t1 - t0, 3)
+                second = _wait_or_none(lambda: c.log.stepping(world=2, ranks=2, since=t1))
+                result["recovery_s"] = round(max(second.values()) - t1, 3) if second else None
         elif scenario == "node_join":
             _train(c, ["n0", "n1"], steps=100000)
             joiner = c.add("n2", c.script_args(100000))

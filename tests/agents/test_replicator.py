@@ -44,7 +44,7 @@ def test_sharded_ranks_go_after_every_checkpoint_and_whole_ones_at_most_every_in
         await server.start()
         rep = Replicator("a", str(src), TOKEN, interval=0.5)
         rep.start()
-        rep.set_peer(f"127.0.0.1:{port}")
+        rep.set_peers([f"127.0.0.1:{port}"])
         try:
             for step in range(1, 11):  # 10 checkpoints in ~0.3 s
                 commit(src, 0, step, sharded=False)
