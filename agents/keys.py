@@ -3,7 +3,8 @@
 ``rdzv/`` holds what every agent watches: the round, restart requests, the rounds' master
 records, the job's terminal state and the decider key (one watch per agent covers it). ``nodes/``
 holds one record per live agent; only the job's decider watches it, so a join costs O(1) watch
-events per agent, not O(N). Events and checkpoint pointers live beside them so their traffic
+events per agent, not O(N). ``election/`` holds one candidate key per agent; each watches only
+its predecessor's. Events and checkpoint pointers live beside them so their traffic
 wakes no rendezvous.
 """
 
@@ -56,8 +57,19 @@ class JobKeys:
 
     @property
     def decider(self) -> str:
-        """The agent that decides rounds: held under its lease, taken by whoever finds it free."""
+        """Which agent decides rounds: written by the election's winner under its lease, for
+        everyone to see (``ftrt status``); the election itself runs under :attr:`election`."""
         return f"{self.rdzv}decider"
+
+    @property
+    def election(self) -> str:
+        """Prefix of the decider election's candidate keys (:mod:`ftrt.agents.election`), outside
+        ``rdzv/`` so that N candidates cost no agent N watch events."""
+        return f"{self.root}election/"
+
+    def candidate(self, lease_id: int) -> str:
+        """A candidate's key: its lease in fixed-width hex, so no key is a prefix of another."""
+        return f"{self.election}{lease_id:016x}"
 
     @property
     def requests(self) -> str:

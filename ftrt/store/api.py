@@ -143,6 +143,13 @@ class Store(Protocol):
     ) -> tuple[list[KeyValue], int]:
         """Return every key under ``prefix`` sorted by key, and the store revision observed."""
 
+    async def last_created(
+        self, prefix: str, max_create_revision: int, *, timeout: float | None = None
+    ) -> tuple[KeyValue | None, int]:
+        """The key under ``prefix`` created last at or before ``max_create_revision`` (None if
+        none), and the store revision observed: one key read, however many keys the prefix holds
+        (an election candidate's predecessor)."""
+
     async def put(
         self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None
     ) -> int:

@@ -373,6 +373,20 @@ class EtcdStore:
         resp = await self._unary(f"get prefix {prefix!r}", "Range", "_kv_stub", req, timeout)
         return [_kv(kv) for kv in resp.kvs], resp.header.revision
 
+    async def last_created(
+        self, prefix: str, max_create_revision: int, *, timeout: float | None = None
+    ) -> tuple[KeyValue | None, int]:
+        if max_create_revision < 1:  # etcd reads 0 as "no limit"
+            _, revision = await self.get(prefix, timeout=timeout)
+            return None, revision
+        raw = prefix.encode()
+        req = rpc.RangeRequest(
+            key=raw, range_end=_range_end(raw), limit=1, max_create_revision=max_create_revision,
+            sort_order=rpc.RangeRequest.DESCEND, sort_target=rpc.RangeRequest.CREATE,
+        )
+        resp = await self._unary(f"last created under {prefix!r}", "Range", "_kv_stub", req, timeout)
+        return (_kv(resp.kvs[0]) if resp.kvs else None), resp.header.revision
+
     async def put(
         self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None
     ) -> int:

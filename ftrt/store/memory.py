@@ -125,6 +125,13 @@ class MemoryStore:
         self._check()
         return self._range(prefix, True), self._revision
 
+    async def last_created(
+        self, prefix: str, max_create_revision: int, *, timeout: float | None = None
+    ) -> tuple[KeyValue | None, int]:
+        self._check()
+        found = [kv for kv in self._range(prefix, True) if kv.create_revision <= max_create_revision]
+        return max(found, key=lambda kv: kv.create_revision, default=None), self._revision
+
     async def put(
         self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None
     ) -> int:

@@ -68,6 +68,23 @@ async def test_prefix_get_is_sorted_and_scoped(store, pfx):
     assert (await store.get(pfx[:-1] + "-other"))[0] is not None
 
 
+async def test_last_created_finds_the_predecessor_by_create_revision(store, pfx):
+    # Keys sort against creation order, and a later update does not move a key's creation.
+    r_c = await store.put(pfx + "c", b"1")
+    r_a = await store.put(pfx + "a", b"2")
+    r_b = await store.put(pfx + "b", b"3")
+    await store.put(pfx + "c", b"updated")
+    await store.put(pfx[:-1] + "-other", b"x")
+    assert (await store.last_created(pfx, r_b))[0].key == pfx + "b"
+    assert (await store.last_created(pfx, r_b - 1))[0].key == pfx + "a"
+    assert (await store.last_created(pfx, r_a - 1))[0].key == pfx + "c"
+    got, rev = await store.last_created(pfx, r_c - 1)
+    assert got is None and rev >= r_b
+    assert (await store.last_created(pfx, 0))[0] is None
+    await store.delete(pfx + "a")
+    assert (await store.last_created(pfx, r_b - 1))[0].key == pfx + "c"
+
+
 async def test_compare_and_swap(store, pfx):
     key = pfx + "round"
     ok = await store.txn([Compare.absent(key)], [Put(key, b"1")])

@@ -1,0 +1,96 @@
+"""The decider: while this agent leads the election, it turns the job view into rounds.
+
+It runs :func:`~ftrt.agents.decide.decide_round` on the :class:`~ftrt.agents.jobview.JobView` (which
+then follows every node record) and carries out the decision:
+
+- ``WRITE_ROUND``: a transaction that succeeds only if the round key is unchanged since the view
+  read it (compare-and-swap on its mod revision) and this agent still leads (the election's
+  fence); it also clears restart requests and master records of older rounds.
+- ``FAIL`` / ``SUCCEED``: the job's terminal state, written only if absent (same fence).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+from ftrt.agents.decide import Action, RendezvousConfig, decide_round
+from ftrt.agents.election import Election
+from ftrt.agents.jobview import JobView
+from ftrt.agents.records import JobState, RoundRecord, encode
+from ftrt.store.api import Compare, Delete, Put, Store, WatchEvent
+
+log = logging.getLogger(__name__)
+
+
+class Decider:
+    """Decides one job's rounds for as long as ``election`` is won. See the module docstring."""
+
+    def __init__(self, store: Store, jobview: JobView, election: Election, cfg: RendezvousConfig, node_id: str,
+                 *, clock: Callable[[], float], on_event: Callable[[str, str], None]) -> None:
+        self.store = store
+        self.jobview = jobview
+        self.keys = jobview.keys
+        self.election = election
+        self.cfg = cfg
+        self.node_id = node_id
+        self.clock = clock
+        self.on_event = on_event
+        self._last_reason = ""
+
+    async def step(self) -> tuple[bool, float | None]:
+        """Decide once and act: (whether every write it tried held, when to decide again if
+        nothing changes first)."""
+        d = decide_round(self.clock(), self.jobview.view, self.cfg)
+        if d.reason != self._last_reason:
+            log.debug("rendezvous decision: %s (%s)", d.action.value, d.reason)
+            self._last_reason = d.reason
+        if d.action is Action.WRITE_ROUND:
+            assert d.round is not None
+            return await self.write_round(d.round), None
+        if d.action is Action.FAIL:
+            return await self.write_job_state("failed", d.reason), None
+        if d.action is Action.SUCCEED:
+            return await self.write_job_state("succeeded", d.reason), None
+        return True, d.wake_at if d.action is Action.WAIT else None
+
+    async def write_round(self, new: RoundRecord) -> bool:
+        """Write the next round, fenced by the round's revision and the election."""
+        now = time.time()
+        new = dataclasses.replace(new, created=now, job_started=new.job_started or now, writer=self.node_id)
+        res = await self.store.txn(
+            [Compare.mod_revision(self.keys.round, self.jobview.round_mod_revision), self.election.fence()],
+            [
+                Put(self.keys.round, encode(new)),
+                Delete(self.keys.requests, prefix=True),
+                Delete(self.keys.masters, prefix=True),
+            ],
+        )
+        if res.succeeded:
+            log.info(
+                "round %d written: %s; members %s (world size %d)%s",
+                new.round, new.reason, ",".join(new.node_ids) or "none", new.world_size,
+                "" if new.active else " [inactive]",
+            )
+            self.on_event("round", f"round {new.round}: {new.reason}")
+            # Apply our own write now rather than waiting for the watch to echo it.
+            self.jobview.apply(WatchEvent("put", self.keys.round, encode(new), res.revision))
+            self.jobview.on_change()
+        return res.succeeded
+
+    async def write_job_state(self, state: str, reason: str) -> bool:
+        """Record the job's terminal state (only the first writer wins)."""
+        view = self.jobview.view
+        rnd = view.round.round if view.round else 0
+        body = JobState(state=state, reason=reason, round=rnd, time=time.time())  # type: ignore[arg-type]
+        res = await self.store.txn(
+            [Compare.absent(self.keys.state), self.election.fence()], [Put(self.keys.state, encode(body))]
+        )
+        if res.succeeded:
+            log.info("job %s: %s", state, reason)
+            self.on_event(state, reason)
+            self.jobview.apply(WatchEvent("put", self.keys.state, encode(body), res.revision))
+            self.jobview.on_change()
+        return res.succeeded

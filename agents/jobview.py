@@ -1,0 +1,181 @@
+"""The job as one agent sees it in etcd, kept current by watches.
+
+Every agent watches ``/ftrt/<job>/rdzv/``: the round, restart requests, master records, the job's
+terminal state and the decider record. That is O(1) keys, so a join of N nodes costs each agent
+O(1) watch events, not O(N). The node records (``/ftrt/<job>/nodes/``) are read and watched only
+while this agent decides (:meth:`JobView.watch_nodes`). Each change is folded into a
+:class:`~ftrt.agents.decide.View`, stamped with local times where membership moved, and reported
+through ``on_change``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Callable
+
+from ftrt.agents.decide import View
+from ftrt.agents.keys import JobKeys
+from ftrt.agents.records import DeciderRecord, JobState, MasterRecord, NodeRecord, RestartRequest, RoundRecord, decode
+from ftrt.errors import StoreError, WatchCompacted
+from ftrt.store.api import Store, WatchEvent
+
+log = logging.getLogger(__name__)
+
+
+class JobView:
+    """The job's rendezvous keys (and, on the decider, its node records) as this agent last saw them."""
+
+    def __init__(self, store: Store, keys: JobKeys, *, clock: Callable[[], float],
+                 on_change: Callable[[], None]) -> None:
+        self.store = store
+        self.keys = keys
+        self.clock = clock
+        self.on_change = on_change
+        self.view = View(changed_at=clock(), waiting_since=clock())
+        """The job as this agent sees it; ``view.nodes`` is filled only while it watches the nodes."""
+        self.round_mod_revision = 0
+        """The round key's mod revision as last seen: writes fenced by the round compare it."""
+        self.masters: dict[int, MasterRecord] = {}
+        self.decider: DeciderRecord | None = None
+        """The decider the last election's winner announced (for logs and ``ftrt status``)."""
+        self._tasks: list[asyncio.Task] = []
+        self._nodes_task: asyncio.Task | None = None
+        self._following_nodes = False
+        """Node records count only while this is True: a stopped node watch's late events do not."""
+
+    async def start(self) -> None:
+        revision = await self._resync()
+        self._tasks = [asyncio.create_task(self._watch(self.keys.rdzv, revision + 1, self._resync),
+                                           name="rdzv-watch")]
+
+    async def close(self) -> None:
+        await self.stop_nodes()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def watch_nodes(self) -> None:
+        """Read every node record and follow them from now on (the decider's duty)."""
+        if self._following_nodes:
+            return
+        self._following_nodes = True
+        try:
+            revision = await self._resync_nodes()
+        except BaseException:
+            await self.stop_nodes()
+            raise
+        self._nodes_task = asyncio.create_task(
+            self._watch(self.keys.nodes, revision + 1, self._resync_nodes), name="rdzv-nodes-watch")
+
+    async def stop_nodes(self) -> None:
+        """Stop following the node records and forget them."""
+        self._following_nodes = False
+        task, self._nodes_task = self._nodes_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.view.nodes.clear()
+        self.view.ready_since.clear()
+
+    # -- reading and watching ---------------------------------------------------------------------
+    async def _resync(self) -> int:
+        """Re-read everything under ``rdzv/`` (at start and after the watch fell behind)."""
+        kvs, revision = await self.store.get_prefix(self.keys.rdzv)
+        view = self.view
+        view.requests.clear()
+        view.round, view.job = None, None
+        self.masters.clear()
+        self.decider = None
+        self.round_mod_revision = 0
+        self._apply_all(kvs)
+        return revision
+
+    async def _resync_nodes(self) -> int:
+        """Re-read every node record (on becoming the decider, and after its watch fell behind)."""
+        kvs, revision = await self.store.get_prefix(self.keys.nodes)
+        self.view.nodes.clear()
+        self.view.ready_since.clear()
+        self.view.changed_at = self.clock()
+        self._apply_all(kvs)
+        return revision
+
+    def _apply_all(self, kvs) -> None:
+        """Fold a read's key-values into the view as if they had just been put."""
+        for kv in kvs:
+            self.apply(WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease))
+        self.on_change()
+
+    async def _watch(self, prefix: str, start: int, resync: Callable[[], "asyncio.Future[int]"]) -> None:
+        while True:
+            it = self.store.watch_prefix(prefix, start)
+            try:
+                async for batch in it:
+                    for ev in batch:
+                        self.apply(ev)
+                    start = batch[-1].revision + 1
+                    self.on_change()
+            except WatchCompacted:
+                log.warning("watch on %s fell behind compaction; re-reading it", prefix)
+                start = await resync() + 1
+            except StoreError as exc:
+                log.warning("watch on %s failed (%s); retrying", prefix, exc)
+                await asyncio.sleep(0.2)
+            finally:
+                await it.aclose()
+
+    # -- folding changes in -----------------------------------------------------------------------
+    def apply(self, ev: WatchEvent) -> None:
+        """Fold one change into the view, stamping local times where membership moved (node
+        records only while :meth:`watch_nodes` follows them)."""
+        now = self.clock()
+        key = ev.key
+        view = self.view
+        if key.startswith(self.keys.nodes):
+            if self._following_nodes:
+                self._apply_node(ev, now)
+        elif key == self.keys.round:
+            if ev.kind == "put":
+                view.round = decode(RoundRecord, ev.value)
+                self.round_mod_revision = ev.revision
+                view.waiting_since = None if view.round.active else (view.waiting_since or now)
+                view.changed_at = now
+        elif key == self.keys.decider:
+            self.decider = None if ev.kind == "delete" else decode(DeciderRecord, ev.value)
+        elif key.startswith(self.keys.requests):
+            node_id = key[len(self.keys.requests):]
+            if ev.kind == "delete":
+                view.requests.pop(node_id, None)
+            else:
+                view.requests[node_id] = decode(RestartRequest, ev.value)
+                view.changed_at = now
+        elif key.startswith(self.keys.masters):
+            if ev.kind == "put":
+                rec = decode(MasterRecord, ev.value)
+                self.masters[rec.round] = rec
+        elif key == self.keys.state:
+            if ev.kind == "put":
+                view.job = decode(JobState, ev.value)
+
+    def _apply_node(self, ev: WatchEvent, now: float) -> None:
+        view = self.view
+        node_id = ev.key[len(self.keys.nodes):]
+        old = view.nodes.get(node_id)
+        if ev.kind == "delete":
+            if old is not None:
+                del view.nodes[node_id]
+                view.ready_since.pop(node_id, None)
+                view.changed_at = now
+            return
+        rec = dataclasses.replace(decode(NodeRecord, ev.value), lease=ev.lease, revision=ev.create_revision)
+        view.nodes[node_id] = rec
+        if old is None or old.incarnation != rec.incarnation:
+            view.ready_since.pop(node_id, None)
+            view.changed_at = now
+        if rec.ready and node_id not in view.ready_since:
+            view.ready_since[node_id] = now
+            view.changed_at = now
+        if old is not None and old.done_round != rec.done_round:
+            view.changed_at = now
