@@ -1,8 +1,9 @@
 """Configuration of one agent (``ftrt launch``), as a validated pydantic model.
 
 The CLI (:mod:`ftrt.agents.cli`) maps flags onto these fields; embedding code can build the model
-directly. Validation errors name the field and the value; :func:`load_config` turns pydantic's
-errors into one :class:`~ftrt.errors.ConfigError` sentence.
+directly. A field that a flag sets takes its default from :mod:`ftrt.agents.launch_flags`, where the
+flag's spellings and help are written. Validation errors name the field and the value;
+:func:`load_config` turns pydantic's errors into one :class:`~ftrt.errors.ConfigError` sentence.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ftrt.agents.keys import check_id
+from ftrt.agents.launch_flags import DEFAULTS
 from ftrt.agents.tls import AgentTls
 from ftrt.agents.workers import DEFAULT_WARM_IMPORTS, warm_imports_for
 from ftrt.errors import ConfigError
@@ -25,7 +27,9 @@ class LaunchConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    standalone: bool = Field(False, description="Start an embedded etcd for this job (single node).")
+    standalone: bool = Field(
+        DEFAULTS["standalone"], description="Start an embedded etcd for this job (single node)."
+    )
     etcd: Optional[str] = Field(None, description="etcd endpoints, HOST:PORT[,HOST:PORT...] "
                                 "(https://HOST:PORT for TLS).")
     etcd_access: EtcdAccess = Field(
@@ -33,14 +37,22 @@ class LaunchConfig(BaseModel):
         description="TLS files and user for etcd (--etcd-cacert/--etcd-cert/--etcd-key/--etcd-user); "
         "the agent's workers get the same through the environment.",
     )
-    job_id: str = Field("default", description="Job id; every agent of a job uses the same one.")
-    min_nodes: int = Field(1, ge=1, description="Fewest nodes the job runs with (--nnodes MIN).")
-    max_nodes: int = Field(1, ge=1, description="Most nodes the job runs with (--nnodes :MAX).")
-    nproc_per_node: int = Field(1, ge=1, le=1024, description="Worker processes on this node.")
+    job_id: str = Field(DEFAULTS["job_id"], description="Job id; every agent of a job uses the same one.")
+    min_nodes: int = Field(
+        DEFAULTS["min_nodes"], ge=1, description="Fewest nodes the job runs with (--nnodes MIN)."
+    )
+    max_nodes: int = Field(
+        DEFAULTS["max_nodes"], ge=1, description="Most nodes the job runs with (--nnodes :MAX)."
+    )
+    nproc_per_node: int = Field(
+        DEFAULTS["nproc_per_node"], ge=1, le=1024, description="Worker processes on this node."
+    )
     node_id: str = Field(default_factory=socket.gethostname, description="This node's id in the job.")
-    max_restarts: int = Field(3, ge=0, description="Restarts after worker failures before the job fails.")
+    max_restarts: int = Field(
+        DEFAULTS["max_restarts"], ge=0, description="Restarts after worker failures before the job fails."
+    )
     lease_ttl: float = Field(
-        5.0, ge=1.0, le=600.0,
+        DEFAULTS["lease_ttl"], ge=1.0, le=600.0,
         description="Seconds a node stays a member without renewing its lease (silent-failure detection).",
     )
     log_dir: Optional[str] = Field(None, description="Also write each worker's output to files here.")
@@ -50,33 +62,38 @@ class LaunchConfig(BaseModel):
     host: Optional[str] = Field(
         None, description="Address other nodes reach this node at (default: the one that routes to etcd)."
     )
-    agent_port: int = Field(0, ge=0, le=65535, description="Port of the agent's gRPC service (0: free port).")
+    agent_port: int = Field(
+        DEFAULTS["agent_port"], ge=0, le=65535, description="Port of the agent's gRPC service (0: free port)."
+    )
     join_timeout: float = Field(
-        600.0, gt=0, description="Seconds the job may stay below MIN nodes before it fails."
+        DEFAULTS["join_timeout"], gt=0, description="Seconds the job may stay below MIN nodes before it fails."
     )
     settle: float = Field(
-        0.05, ge=0, description="Seconds of quiet after a loss or failure before the next round."
+        DEFAULTS["settle"], ge=0, description="Seconds of quiet after a loss or failure before the next round."
     )
     join_settle: float = Field(
-        0.2, ge=0, description="Seconds a ready newcomer waits so that nodes starting together join together."
+        DEFAULTS["join_settle"], ge=0,
+        description="Seconds a ready newcomer waits so that nodes starting together join together.",
     )
     first_round_wait: float = Field(
-        0.5, ge=0, description="Once MIN nodes are ready, seconds to wait for more before round 1."
+        DEFAULTS["first_round_wait"], ge=0,
+        description="Once MIN nodes are ready, seconds to wait for more before round 1.",
     )
     hang_timeout: float = Field(
-        60.0, gt=0,
+        DEFAULTS["hang_timeout"], gt=0,
         description="A worker that heartbeat once and then stays silent this long is killed as hung.",
     )
     stop_grace: float = Field(
-        5.0, ge=0, description="Seconds between SIGTERM and SIGKILL when the job stops."
+        DEFAULTS["stop_grace"], ge=0, description="Seconds between SIGTERM and SIGKILL when the job stops."
     )
     restart_grace: float = Field(
-        0.0, ge=0,
+        DEFAULTS["restart_grace"], ge=0,
         description="Seconds between SIGTERM and SIGKILL when a round change replaces workers "
         "(their process group is broken already; 0 kills at once).",
     )
     warm_workers: bool = Field(
-        True, description="Keep workers pre-started with torch imported so a restart skips the boot."
+        DEFAULTS["warm_workers"],
+        description="Keep workers pre-started with torch imported so a restart skips the boot.",
     )
     warm_imports: tuple[str, ...] = Field(
         DEFAULT_WARM_IMPORTS,
@@ -84,15 +101,17 @@ class LaunchConfig(BaseModel):
         "import it on first use, 2-3 s here).",
     )
     exit_barrier_timeout: float = Field(
-        300.0, ge=0, description="Seconds a finished node waits for the other members to finish."
+        DEFAULTS["exit_barrier_timeout"], ge=0,
+        description="Seconds a finished node waits for the other members to finish.",
     )
     replica_interval: float = Field(
-        10.0, ge=0, description="Seconds between two copies to the peer node of a rank's memory "
+        DEFAULTS["replica_interval"], ge=0,
+        description="Seconds between two copies to the peer node of a rank's memory "
         "checkpoint that holds every tensor whole (data parallel; the newest is sent; 0: every one). "
         "Sharded ranks are copied after every checkpoint.",
     )
     replicas: int = Field(
-        1, ge=1, description="Copies of each node's memory checkpoints on other nodes (its K ring "
+        DEFAULTS["replicas"], ge=1, description="Copies of each node's memory checkpoints on other nodes (its K ring "
         "successors): any K nodes lost at once still leave each lost rank's newest copy on a survivor.",
     )
     mtbf: Optional[float] = Field(

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from ftrt.agents.cli import parse_launch_args, parse_nnodes
+from ftrt.agents.cli import parse_launch_args
+from ftrt.agents.launch_flags import parse_nnodes
 from ftrt.errors import ConfigError
 from tests.agents.harness import FAST_WARM, Node, Progress, ddp_args, wait_until
 
