@@ -38,11 +38,11 @@ from ftrt.agents.decide import RendezvousConfig
 from ftrt.agents.events import EventLog, open_event_file
 from ftrt.agents.fence import FenceWriter
 from ftrt.agents.health import find_hung
-from ftrt.agents.keys import JobKeys
+from ftrt.jobkeys import JobKeys
 from ftrt.agents.membership import Taken, register, tcp_refused, update
 from ftrt.agents.telemetry import metrics_for
 from ftrt.agents.peers import PeerMonitor, ring_successors
-from ftrt.agents.records import NodeRecord, RoundRecord
+from ftrt.records import NodeRecord, RoundRecord
 from ftrt.agents.rendezvous import Rendezvous
 from ftrt.agents.replicator import Replicator
 from ftrt.agents.session import Session

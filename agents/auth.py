@@ -19,7 +19,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-from ftrt.agents.keys import JobKeys
+from ftrt.jobkeys import JobKeys
 from ftrt.errors import StoreError
 from ftrt.store.api import Compare, Get, Put, Store
 

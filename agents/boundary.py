@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ftrt import envnames
 from ftrt.agents.mapped import MappedReader, MappedWriter
-from ftrt.agents.records import RoundRecord
+from ftrt.records import RoundRecord
 
 ENV = envnames.ROUND_END_FILE
 """Environment variable with the round-end file's path, set for every worker of an agent."""

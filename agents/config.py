@@ -14,7 +14,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ftrt.agents.keys import check_id
+from ftrt.jobkeys import check_id
 from ftrt.agents.launch_flags import DEFAULTS
 from ftrt.agents.tls import AgentTls
 from ftrt.agents.workers import DEFAULT_WARM_IMPORTS, warm_imports_for

@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
-from ftrt.agents.records import JobState, Member, NodeRecord, RestartRequest, RoundRecord
+from ftrt.records import JobState, Member, NodeRecord, RestartRequest, RoundRecord
 
 
 @dataclass(frozen=True)

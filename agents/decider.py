@@ -19,7 +19,7 @@ from typing import Callable
 from ftrt.agents.decide import Action, RendezvousConfig, decide_round
 from ftrt.agents.election import Election
 from ftrt.agents.jobview import JobView
-from ftrt.agents.records import JobState, RoundRecord, encode
+from ftrt.records import JobState, RoundRecord, encode
 from ftrt.store.api import Compare, Delete, Put, Store, WatchEvent
 
 log = logging.getLogger(__name__)

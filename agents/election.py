@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from ftrt.agents.keys import JobKeys
+from ftrt.jobkeys import JobKeys
 from ftrt.errors import StoreError, WatchCompacted
 from ftrt.store.api import Compare, Delete, Get, Put, Store
 

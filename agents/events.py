@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Callable, TextIO
 
-from ftrt.agents.keys import JobKeys
+from ftrt.jobkeys import JobKeys
 from ftrt.errors import ConfigError, StoreError
 from ftrt.store.api import Store
 

@@ -16,8 +16,8 @@ import logging
 from typing import Callable
 
 from ftrt.agents.decide import View
-from ftrt.agents.keys import JobKeys
-from ftrt.agents.records import DeciderRecord, JobState, MasterRecord, NodeRecord, RestartRequest, RoundRecord, decode
+from ftrt.jobkeys import JobKeys
+from ftrt.records import DeciderRecord, JobState, MasterRecord, NodeRecord, RestartRequest, RoundRecord, decode
 from ftrt.errors import StoreError, WatchCompacted
 from ftrt.store.api import Store, WatchEvent
 

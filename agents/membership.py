@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from ftrt.agents.keys import JobKeys
-from ftrt.agents.records import NodeRecord, decode, encode
+from ftrt.jobkeys import JobKeys
+from ftrt.records import NodeRecord, decode, encode
 from ftrt.errors import LeaseLost
 from ftrt.store.api import Compare, Get, Put, Store
 

@@ -28,8 +28,8 @@ from ftrt.agents.decide import RendezvousConfig, View
 from ftrt.agents.decider import Decider
 from ftrt.agents.election import Election
 from ftrt.agents.jobview import JobView
-from ftrt.agents.keys import JobKeys
-from ftrt.agents.records import DeciderRecord, MasterRecord, RestartRequest, RoundRecord, encode
+from ftrt.jobkeys import JobKeys
+from ftrt.records import DeciderRecord, MasterRecord, RestartRequest, RoundRecord, encode
 from ftrt.errors import LeaseLost, RoundChanged, StoreError
 from ftrt.store.api import Compare, Put, Store, WatchEvent
 

@@ -34,7 +34,7 @@ import grpc
 import grpc.aio
 
 from ftrt.agents.auth import JobToken
-from ftrt.agents.keys import check_id
+from ftrt.jobkeys import check_id
 from ftrt.agents.tls import PLAINTEXT, AgentTls
 from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
 from ftrt.checkpoint.memindex import check_index

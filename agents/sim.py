@@ -29,9 +29,9 @@ import time
 import uuid
 
 from ftrt.agents.decide import RendezvousConfig
-from ftrt.agents.keys import JobKeys
+from ftrt.jobkeys import JobKeys
 from ftrt.agents.membership import register
-from ftrt.agents.records import NodeRecord, RoundRecord
+from ftrt.records import NodeRecord, RoundRecord
 from ftrt.agents.rendezvous import Rendezvous
 from ftrt.agents.session import Session
 from ftrt.store.etcd import EtcdStore

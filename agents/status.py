@@ -15,8 +15,8 @@ import json
 import time
 
 from ftrt.agents.events import recent_events
-from ftrt.agents.keys import JobKeys, check_id
-from ftrt.agents.records import DeciderRecord, JobState, NodeRecord, RoundRecord, decode
+from ftrt.jobkeys import JobKeys, check_id
+from ftrt.records import DeciderRecord, JobState, NodeRecord, RoundRecord, decode
 from ftrt.agents import tls as tls_flags
 from ftrt.agents.tls import PLAINTEXT, AgentTls
 from ftrt.store import access as etcd_access

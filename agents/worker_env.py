@@ -9,7 +9,7 @@ torchrun does with its agent store.
 from __future__ import annotations
 
 from ftrt import envnames
-from ftrt.agents.records import RoundRecord
+from ftrt.records import RoundRecord
 from ftrt.store.access import EtcdAccess
 
 

@@ -110,7 +110,7 @@ def _act(args: argparse.Namespace, loc, key, latest: int | None) -> int:
 
 def _pointer(args: argparse.Namespace) -> int | None:
     """The step the job's ``latest`` pointer in etcd names (None: nothing committed in the job)."""
-    from ftrt.agents.keys import check_id
+    from ftrt.jobkeys import check_id
     from ftrt.checkpoint.pointer import LatestPointer
 
     if not args.job_id:

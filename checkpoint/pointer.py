@@ -18,8 +18,8 @@ import json
 import threading
 import time
 
-from ftrt.agents.keys import JobKeys
-from ftrt.agents.records import RoundRecord, decode
+from ftrt.jobkeys import JobKeys
+from ftrt.records import RoundRecord, decode
 from ftrt.errors import RoundChanged
 from ftrt.store.access import EtcdAccess
 from ftrt.store.api import Compare, Put

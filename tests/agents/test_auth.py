@@ -13,7 +13,7 @@ import grpc.aio
 import pytest
 
 from ftrt.agents.auth import READS, WRITES, JobToken, job_token
-from ftrt.agents.keys import JobKeys
+from ftrt.jobkeys import JobKeys
 from ftrt.store.etcd import EtcdStore
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
 from tests.agents.harness import FAST_WARM, Node, kill_at_rest, wait_until

@@ -10,7 +10,7 @@ from ftrt.agents.boundary import (
     boundary_timeout,
     planned_change,
 )
-from ftrt.agents.records import Member, RoundRecord
+from ftrt.records import Member, RoundRecord
 
 A, B, C = Member("a", "a1", 1), Member("b", "b1", 1), Member("c", "c1", 1)
 

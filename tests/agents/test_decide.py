@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ftrt.agents.decide import Action, RendezvousConfig, View, decide_round
-from ftrt.agents.records import JobState, Member, NodeRecord, RestartRequest, RoundRecord
+from ftrt.records import JobState, Member, NodeRecord, RestartRequest, RoundRecord
 
 
 def node(name: str, rev: int, *, inc: str = "i0", ready: bool = True, done: int = 0) -> NodeRecord:

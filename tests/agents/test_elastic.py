@@ -275,7 +275,7 @@ def test_etcd_leader_loss_is_a_short_pause_the_job_does_not_notice(tmp_path, etc
 def test_sigterm_stops_workers_cleanly_and_leaves_the_job_at_once(tmp_path, make_node, etcd_endpoint, job_id):
     import asyncio
 
-    from ftrt.agents.keys import JobKeys
+    from ftrt.jobkeys import JobKeys
     from ftrt.store.etcd import EtcdStore
 
     progress = Progress(tmp_path / "p.jsonl")

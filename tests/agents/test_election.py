@@ -6,7 +6,7 @@ import asyncio
 import urllib.request
 
 from ftrt.agents.election import Election
-from ftrt.agents.keys import JobKeys
+from ftrt.jobkeys import JobKeys
 from ftrt.store.api import Put
 from ftrt.store.etcd import EtcdStore
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from ftrt.agents.keys import JobKeys
-from ftrt.agents.records import Member, RoundRecord, encode
+from ftrt.jobkeys import JobKeys
+from ftrt.records import Member, RoundRecord, encode
 from ftrt.checkpoint import Checkpointer
 from ftrt.checkpoint.pointer import LatestPointer
 from ftrt.checkpoint.storage import step_dir

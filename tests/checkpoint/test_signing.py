@@ -106,7 +106,7 @@ def test_keys_that_cannot_work_are_refused_naming_their_source(tmp_path):
 def test_ckpt_reads_the_jobs_pointer_from_a_secured_etcd(tmp_path, etcd_secure, etcd_secure_access, job_id):
     import asyncio
 
-    from ftrt.agents.keys import JobKeys
+    from ftrt.jobkeys import JobKeys
     from ftrt.store.etcd import EtcdStore
 
     root = tmp_path / "ck"

@@ -1,4 +1,5 @@
-"""The etcd key layout of a job. Everything a job writes lives under ``/ftrt/<job_id>/``.
+"""The etcd key layout of a job, the one owner of every key name (agents, the checkpoint pointer,
+``ftrt status`` and the chaos runner use it). Everything a job writes lives under ``/ftrt/<job_id>/``.
 
 ``rdzv/`` holds what every agent watches: the round, restart requests, the rounds' master
 records, the job's terminal state and the decider key (one watch per agent covers it). ``nodes/``

@@ -7,7 +7,9 @@
 - :class:`JobState`: the job's terminal state once it has one.
 - :class:`DeciderRecord`: which agent decides rounds (``rdzv/decider``, under that agent's lease).
 
-Values are JSON so that ``etcdctl get`` and ``ftrt status`` can read them.
+Values are JSON so that ``etcdctl get`` and ``ftrt status`` can read them. The one owner of their
+shape, beside :mod:`ftrt.jobkeys` for where they live: agents, the checkpoint pointer, ``ftrt status``
+and the chaos runner all read them, so they live outside ``agents/``.
 """
 
 from __future__ import annotations
