@@ -15,51 +15,49 @@ Recovery paths and what bounds their time:
 - a local worker fails: the other local workers stop, a restart request is written (fenced by
   the round); the next round follows after ``settle`` s;
 - in either case the new round starts from warm spares: no interpreter boot, no torch import.
+
+:func:`assemble` builds every part the agent uses, in dependency order and each once (none starts
+as None to be filled in later); :func:`main` serves the gRPC service (which sees the agent only as
+a :class:`~ftrt.agents.service.StatusSource`), runs the agent and closes the parts in order.
+Events reach the loop through one :class:`Inbox`, and a local failure (an exit or a hang) takes
+one route, :meth:`Agent._fail_round`, awaited by the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import logging
-import os
 import shutil
 import signal
 import socket
-import tempfile
 import time
-import uuid
+from dataclasses import dataclass
+
+import grpc.aio
 
 from ftrt import reports
 from ftrt.agents.auth import JobToken, job_token
 from ftrt.agents.boundary import RoundEndWriter, boundary_timeout, planned_change
 from ftrt.agents.config import LaunchConfig
 from ftrt.agents.decide import RendezvousConfig
+from ftrt.agents.early import EarlyStart
 from ftrt.agents.events import EventLog, open_event_file
 from ftrt.agents.fence import FenceWriter
 from ftrt.agents.health import find_hung
-from ftrt.jobkeys import JobKeys
-from ftrt.agents.membership import Taken, register, tcp_refused, update
-from ftrt.agents.telemetry import metrics_for
+from ftrt.agents.membership import Membership
 from ftrt.agents.peers import PeerMonitor, ring_successors
-from ftrt.records import NodeRecord, RoundRecord
 from ftrt.agents.rendezvous import Rendezvous
 from ftrt.agents.replicator import Replicator
-from ftrt.agents.session import Session
+from ftrt.agents.service import AgentServicer, AgentStatus, bind_server, serve
 from ftrt.agents.states import AgentState, check_transition
+from ftrt.agents.telemetry import Metrics, metrics_for
 from ftrt.agents.worker_env import worker_env
-from ftrt.agents.early import EarlyStart
 from ftrt.agents.workers import Worker, WorkerPool, change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
-from ftrt.errors import (
-    FtrtError,
-    LeaseLost,
-    NodeIdConflict,
-    RoundChanged,
-    StoreError,
-    StoreUnavailable,
-    WorkerFailure,
-)
+from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, StoreUnavailable, WorkerFailure
+from ftrt.jobkeys import JobKeys
+from ftrt.records import RoundRecord
 from ftrt.store.api import Store
 from ftrt.store.etcd import EtcdStore, parse_endpoints
 from ftrt.store.etcd_server import EtcdServer
@@ -88,53 +86,267 @@ def detect_host(endpoints: str) -> str:
         return ip
 
 
+@dataclass
+class NodeState:
+    """What this node is doing, written by its agent and read by the parts that report it (event
+    log, log lines, the gRPC service)."""
+
+    state: AgentState = AgentState.STARTING
+    worker_round: int = 0
+    """The round this node's workers run in (0 before the first)."""
+
+
 class _Prefix(logging.LoggerAdapter):
     def process(self, msg, kwargs):
-        a = self.extra["agent"]
-        return f"[node={a.cfg.node_id} round={a.worker_round or '-'}] {msg}", kwargs
+        node: NodeState = self.extra["node"]
+        return f"[node={self.extra['node_id']} round={node.worker_round or '-'}] {msg}", kwargs
+
+
+class Inbox:
+    """What reaches the agent's loop from other tasks: exited workers, and pokes (a view change, a
+    stop signal, a peer found dead). The loop is its one consumer. A change is counted, not
+    cleared, so a wait never loses one that came while the loop was busy."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._event = asyncio.Event()
+        self._exited: list[Worker] = []
+
+    def poke(self) -> None:
+        self.version += 1
+        self._event.set()
+        self._event = asyncio.Event()
+
+    def worker_exited(self, worker: Worker) -> None:
+        self._exited.append(worker)
+        self.poke()
+
+    def take_exited(self) -> list[Worker]:
+        exited, self._exited = self._exited, []
+        return exited
+
+    async def wait(self, since: int, timeout: float) -> None:
+        """Return once something arrived after ``since`` (a :attr:`version`), or after ``timeout``."""
+        if self.version > since:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout)
+
+
+@dataclass
+class AgentParts:
+    """Everything an agent works with, each built once and in dependency order by :func:`assemble`;
+    ``stack`` closes them in the right order (workers before the lease, the store last)."""
+
+    cfg: LaunchConfig
+    keys: JobKeys
+    node: NodeState
+    log: logging.LoggerAdapter
+    host: str
+    endpoints: str
+    agent_addr: str
+    store: Store
+    fence: FenceWriter
+    round_end: RoundEndWriter
+    mem_dir: str
+    token: JobToken
+    metrics: Metrics
+    events: EventLog
+    replicator: Replicator
+    inbox: Inbox
+    pool: WorkerPool
+    membership: Membership
+    rdzv: Rendezvous
+    monitor: PeerMonitor
+    stack: contextlib.AsyncExitStack
+
+
+async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store: Store | None = None,
+                   stack: contextlib.AsyncExitStack) -> tuple[AgentParts, grpc.aio.Server]:
+    """Build an agent's parts: connect to etcd, read the job's token, adopt the early spares, bind the
+    gRPC server (returned, to :func:`~ftrt.agents.service.serve` once the agent exists), and wire the
+    pool, rendezvous and peer monitor to one another. Whatever was built is registered on ``stack``
+    as it is built, so a failed step leaves nothing behind."""
+    node = NodeState()
+    alog = _Prefix(log, {"node": node, "node_id": cfg.node_id})
+    keys = JobKeys(cfg.job_id)
+    # Spares first: their torch import is the slow part of joining, so it overlaps with everything
+    # else the agent does before it can join. The CLI may have started them already.
+    early = early or EarlyStart.for_config(cfg)
+    stack.callback(shutil.rmtree, early.mem_dir, ignore_errors=True)
+    stack.callback(shutil.rmtree, early.run_dir, ignore_errors=True)
+    stack.callback(early.round_end.close)
+    stack.callback(early.fence.close)
+    host = cfg.host or ("127.0.0.1" if cfg.standalone else detect_host(cfg.etcd or ""))
+    endpoints = cfg.etcd or ""
+    if cfg.standalone:
+        etcd = EtcdServer(name=f"ftrt-{cfg.job_id}", unsafe_no_fsync=True)
+        stack.push_async_callback(asyncio.to_thread, etcd.stop)
+        await asyncio.to_thread(etcd.start)
+        endpoints = etcd.endpoint
+        alog.info("standalone: embedded etcd on %s", endpoints)
+    if store is None:
+        store = EtcdStore(endpoints, timeout=3.0, access=cfg.etcd_access)
+    stack.push_async_callback(store.close)
+    try:
+        await store.get(keys.root, timeout=5.0)
+    except StoreUnavailable as exc:
+        raise StoreUnavailable(
+            f"Cannot reach etcd at {endpoints} within 5 s. Start etcd there (ftrt etcd), "
+            "fix --etcd, or use --standalone for a single-node job."
+        ) from exc
+    token = await job_token(store, keys)
+    replicator = Replicator(cfg.node_id, early.mem_dir, token, cfg.replica_interval, cfg.agent_tls)
+    stack.push_async_callback(replicator.close)
+    metrics = metrics_for(cfg.metrics_port is not None, cfg.node_id,
+                          etcd_errors=lambda: getattr(store, "errors", 0), replicas=replicator.replicated)
+    event_file = open_event_file(cfg.event_log) if cfg.event_log else None
+    if event_file is not None:
+        stack.callback(event_file.close)
+    events = EventLog(store, keys, cfg.node_id, file=event_file, round_of=lambda: node.worker_round)
+    stack.push_async_callback(events.flush)
+    inbox = Inbox()
+    pool = WorkerPool(
+        nproc=cfg.nproc_per_node, fence_path=early.fence.path, warm=cfg.warm_workers,
+        warm_imports=cfg.warm_imports, base_env=early.base_env, log_dir=cfg.log_dir,
+        on_exit=inbox.worker_exited, on_memory=lambda rank, step: replicator.notify(rank),
+        on_heartbeat=lambda w: metrics.heartbeat(w.rank, w.round, w.step),
+        on_report=_report_handler(metrics, events, alog),
+    )
+    pool.adopt_spares(early.take_spawned())
+    template = early.take_template()
+    if template is not None:
+        pool.adopt_template(*template)
+    pool.fill_spares()
+    server, port = bind_server(host, cfg.agent_port, cfg.agent_tls)
+    stack.push_async_callback(server.stop, 0.2)
+    agent_addr = f"{host}:{port}"
+    membership = Membership(store, keys, node_id=cfg.node_id, host=host, agent_addr=agent_addr,
+                            nproc=cfg.nproc_per_node, lease_ttl=cfg.lease_ttl, on_renew=early.fence.set, log=alog)
+    stack.push_async_callback(membership.close)  # after the workers stop: registered before the pool
+    stack.push_async_callback(pool.close, cfg.stop_grace)
+    rdzv = Rendezvous(
+        store, keys, cfg.node_id,
+        RendezvousConfig(
+            min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, settle_s=cfg.settle,
+            join_settle_s=cfg.join_settle, first_round_wait_s=cfg.first_round_wait,
+            join_timeout_s=cfg.join_timeout, max_restarts=cfg.max_restarts,
+        ),
+        registration=membership.registration, on_event=lambda kind, msg: events.emit(kind, msg),
+        on_change=inbox.poke,
+    )
+    stack.push_async_callback(rdzv.close)
+    monitor = PeerMonitor(cfg.node_id, _peer_death_handler(rdzv, store, metrics, events, alog),
+                          cfg.peer_check_interval, cfg.agent_tls)
+    stack.push_async_callback(monitor.close)
+    if cfg.metrics_port is not None:
+        from ftrt.agents.metrics import serve as serve_metrics
+
+        metrics_server, mport = serve_metrics(metrics, host, cfg.metrics_port)
+        stack.callback(metrics_server.server_close)
+        stack.callback(metrics_server.shutdown)
+        alog.info("Prometheus metrics on http://%s:%d/metrics", host, mport)
+    return AgentParts(
+        cfg=cfg, keys=keys, node=node, log=alog, host=host, endpoints=endpoints, agent_addr=agent_addr,
+        store=store, fence=early.fence, round_end=early.round_end, mem_dir=early.mem_dir, token=token,
+        metrics=metrics, events=events, replicator=replicator, inbox=inbox, pool=pool, membership=membership,
+        rdzv=rdzv, monitor=monitor, stack=stack,
+    ), server
+
+
+def _report_handler(metrics: Metrics, events: EventLog, alog: logging.LoggerAdapter):
+    """A worker's checkpoint, restore or trainer report: metrics, and events for the rare ones."""
+
+    def on_report(worker: Worker, msg: dict) -> None:
+        metrics.report(msg)
+        kind = msg.get("t")
+        try:
+            if kind == reports.RESTORE:
+                events.emit("restore", f"rank {worker.rank} restored step {msg.get('step')} from "
+                            f"{msg.get('tier')} in {float(msg.get('seconds', 0)):.2f} s", rank=worker.rank,
+                            tier=msg.get("tier"), step=msg.get("step"), seconds=msg.get("seconds"))
+            elif kind == reports.CKPT:
+                events.emit("checkpoint_committed", f"checkpoint step {msg.get('step')} committed to "
+                            f"{msg.get('tier')} in {float(msg.get('save_s', 0)):.2f} s", local=True,
+                            tier=msg.get("tier"), step=msg.get("step"), seconds=msg.get("save_s"),
+                            bytes=msg.get("bytes"))
+        except (TypeError, ValueError):
+            alog.debug("ignored a malformed %s report from rank %s", kind, worker.rank)
+
+    return on_report
+
+
+def _peer_death_handler(rdzv: Rendezvous, store: Store, metrics: Metrics, events: EventLog,
+                        alog: logging.LoggerAdapter):
+    """What to do when a peer's liveness stream says it died: revoke its lease, so every agent sees
+    its registration go at once instead of after its TTL."""
+
+    async def on_dead(node_id: str, reason: str) -> None:
+        rnd = rdzv.view.round
+        rec = rnd.member(node_id) if rnd else None
+        if rec is None or not rec.lease:
+            return
+        alog.warning("peer %s is dead (%s); revoking its lease", node_id, reason)
+        metrics.fault("node_lost")
+        events.emit("node_lost", f"{node_id}: {reason}", lost=node_id, evidence=reason)
+        try:
+            await store.revoke_lease(rec.lease, timeout=2.0)
+        except StoreError as exc:
+            alog.warning("could not revoke the lease of %s: %s", node_id, exc)
+
+    return on_dead
 
 
 class Agent:
-    """One node's agent. ``await Agent(cfg).run()`` returns the process exit code."""
+    """One node's agent, with every part built (:func:`assemble`). ``await agent.run()`` joins the
+    job, drives its rounds and returns the process exit code; :func:`run_agent` does it all."""
 
-    def __init__(self, cfg: LaunchConfig, *, store: Store | None = None, early: "EarlyStart | None" = None) -> None:
-        self.cfg = cfg
-        self._early = early
-        self.keys = JobKeys(cfg.job_id)
-        self.state = AgentState.STARTING
-        self.worker_round = 0
-        self.store: Store | None = store
-        self.rdzv: Rendezvous | None = None
-        self.pool: WorkerPool | None = None
-        self.session: Session | None = None
-        self.record: NodeRecord | None = None
-        self.host = cfg.host or "127.0.0.1"
-        self.agent_addr = ""
-        self.endpoints = ""
-        self.mem_dir = ""
-        self.replicator: Replicator | None = None
-        self.token: JobToken | None = None
-        """The job's token (:mod:`.auth`), read from etcd once connected; state-changing RPCs need it."""
-        self.log = _Prefix(log, {"agent": self})
-        self._wake = asyncio.Event()
-        self._exited: list[Worker] = []
+    def __init__(self, parts: AgentParts) -> None:
+        self.parts = parts
+        self.cfg = parts.cfg
+        self.keys = parts.keys
+        self.node = parts.node
+        self.log = parts.log
+        self.host = parts.host
+        self.endpoints = parts.endpoints
+        self.agent_addr = parts.agent_addr
+        self.store = parts.store
+        self.token = parts.token
+        self.metrics = parts.metrics
+        self.mem_dir = parts.mem_dir
+        self.replicator = parts.replicator
+        self.pool = parts.pool
+        self.membership = parts.membership
+        self.rdzv = parts.rdzv
+        self.inbox = parts.inbox
+        self._events = parts.events
+        self._monitor = parts.monitor
+        self._fence = parts.fence
+        self._round_end = parts.round_end
         self._stop_signal: int | None = None
-        self._etcd: EtcdServer | None = None
-        self._server = None
-        self._fence: FenceWriter | None = None
-        self._round_end: RoundEndWriter | None = None
         self._worker_record: RoundRecord | None = None  # the round this node's workers run in
-        self._run_dir = ""
-        self._events: EventLog | None = None
-        self._monitor: PeerMonitor | None = None
         self._finished_at = 0.0
         self._background: set[asyncio.Task] = set()
-        self.metrics = metrics_for(
-            cfg.metrics_port is not None, cfg.node_id, etcd_errors=lambda: getattr(self.store, "errors", 0),
-            replicas=lambda: self.replicator.replicated() if self.replicator else None,
+
+    @property
+    def state(self) -> AgentState:
+        return self.node.state
+
+    @property
+    def worker_round(self) -> int:
+        return self.node.worker_round
+
+    @worker_round.setter
+    def worker_round(self, value: int) -> None:
+        self.node.worker_round = value
+
+    def status(self) -> AgentStatus:
+        """A snapshot for the gRPC service (:class:`~ftrt.agents.service.StatusSource`)."""
+        return AgentStatus(
+            job_id=self.cfg.job_id, node_id=self.cfg.node_id, round=self.worker_round, state=self.state.value,
+            current=self.rdzv.view.round, workers=self.pool.running + self.pool.spares,
+            warm_workers=self.pool.warm_count, max_restarts=self.cfg.max_restarts,
         )
-        self._metrics_server = None
-        self._event_file = None
 
     # -- state ----------------------------------------------------------------------------------
     def _set_state(self, new: AgentState, why: str = "") -> None:
@@ -142,10 +354,7 @@ class Agent:
             return
         check_transition(self.state, new)
         self.log.debug("state %s -> %s %s", self.state.value, new.value, why)
-        self.state = new
-
-    def _poke(self) -> None:
-        self._wake.set()
+        self.node.state = new
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -158,192 +367,60 @@ class Agent:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
-            return await self._run()
+            await self._join()
+            await self.rdzv.start()
+            self._set_state(AgentState.WAITING)
+            self.log.info(
+                "joined job %r as %s (agent %s, %d worker(s), etcd %s)",
+                self.cfg.job_id, self.cfg.node_id, self.agent_addr, self.cfg.nproc_per_node, self.endpoints,
+            )
+            return await self._loop()
         finally:
-            await self._shutdown()
+            for task in list(self._background):
+                task.cancel()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
     def _on_signal(self, sig: int) -> None:
         self.log.info("received %s; stopping workers", signal.Signals(sig).name)
         self._stop_signal = sig
-        self._poke()
-
-    async def _run(self) -> int:
-        cfg = self.cfg
-        # Spares first: their torch import is the slow part of joining, so it overlaps with
-        # everything else the agent does before it can join. The CLI may have started them already.
-        self.host = cfg.host or ("127.0.0.1" if cfg.standalone else detect_host(cfg.etcd or ""))
-        early = self._early or EarlyStart.for_config(cfg)
-        self._run_dir, self._fence, self.mem_dir = early.run_dir, early.fence, early.mem_dir
-        self._round_end = early.round_end
-        self.pool = WorkerPool(
-            nproc=cfg.nproc_per_node, fence_path=self._fence.path,
-            warm=cfg.warm_workers, warm_imports=cfg.warm_imports, base_env=early.base_env,
-            log_dir=cfg.log_dir, on_exit=self._on_worker_exit,
-            on_memory=lambda rank, step: self.replicator and self.replicator.notify(rank),
-            on_heartbeat=lambda w: self.metrics.heartbeat(w.rank, w.round, w.step),
-            on_report=self._on_report,
-        )
-        self.pool.adopt_spares(early.take_spawned())
-        template = early.take_template()
-        if template is not None:
-            self.pool.adopt_template(*template)
-        self.pool.fill_spares()
-        endpoints = await self._connect()
-        self.endpoints = endpoints
-        self.token = await job_token(self.store, self.keys)
-        self.replicator = Replicator(cfg.node_id, self.mem_dir, self.token, cfg.replica_interval, cfg.agent_tls)
-        self.replicator.start()
-        from ftrt.agents.service import start_server
-
-        self._server, port = await start_server(self, self.host, cfg.agent_port, cfg.agent_tls)
-        self.agent_addr = f"{self.host}:{port}"
-        if cfg.metrics_port is not None:
-            from ftrt.agents.metrics import serve as serve_metrics
-
-            self._metrics_server, mport = serve_metrics(self.metrics, self.host, cfg.metrics_port)
-            self.log.info("Prometheus metrics on http://%s:%d/metrics", self.host, mport)
-        if cfg.event_log:
-            self._event_file = open_event_file(cfg.event_log)
-        self._events = EventLog(self.store, self.keys, cfg.node_id, file=self._event_file,
-                                round_of=lambda: self.worker_round)
-        await self._join()
-        self.rdzv = Rendezvous(
-            self.store, self.keys, cfg.node_id,
-            RendezvousConfig(
-                min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, settle_s=cfg.settle,
-                join_settle_s=cfg.join_settle, first_round_wait_s=cfg.first_round_wait,
-                join_timeout_s=cfg.join_timeout, max_restarts=cfg.max_restarts,
-            ),
-            registration=self._registration,
-            on_event=lambda kind, msg: self._events.emit(kind, msg),
-            on_change=self._poke,
-        )
-        await self.rdzv.start()
-        self._monitor = PeerMonitor(cfg.node_id, self._on_peer_dead, cfg.peer_check_interval, cfg.agent_tls)
-        self._set_state(AgentState.WAITING)
-        self.log.info(
-            "joined job %r as %s (agent %s, %d worker(s), etcd %s)",
-            cfg.job_id, cfg.node_id, self.agent_addr, cfg.nproc_per_node, endpoints,
-        )
-        return await self._loop()
-
-    async def _connect(self) -> str:
-        cfg = self.cfg
-        if cfg.standalone:
-            self._etcd = EtcdServer(name=f"ftrt-{cfg.job_id}", unsafe_no_fsync=True)
-            await asyncio.to_thread(self._etcd.start)
-            endpoints = self._etcd.endpoint
-            self.log.info("standalone: embedded etcd on %s", endpoints)
-        else:
-            endpoints = cfg.etcd or ""
-        if self.store is None:
-            self.store = EtcdStore(endpoints, timeout=3.0, access=cfg.etcd_access)
-        try:
-            await self.store.get(self.keys.root, timeout=5.0)
-        except StoreUnavailable as exc:
-            raise StoreUnavailable(
-                f"Cannot reach etcd at {endpoints} within 5 s. Start etcd there (ftrt etcd), "
-                "fix --etcd, or use --standalone for a single-node job."
-            ) from exc
-        return endpoints
+        self.inbox.poke()
 
     # -- membership -----------------------------------------------------------------------------
-    async def _new_session(self) -> None:
-        fence = self._fence
-        self.session = Session(self.store, self.cfg.lease_ttl, on_renew=fence.set if fence else None)
-        await self.session.start()
-
     async def _join(self) -> None:
         """Take a lease and register this node (a new incarnation)."""
-        await self._new_session()
-        cfg = self.cfg
-        rec = NodeRecord(
-            node_id=cfg.node_id, incarnation=uuid.uuid4().hex[:12], host=self.host,
-            agent_addr=self.agent_addr, nproc=cfg.nproc_per_node,
-            ready=(not cfg.warm_workers) or self.pool.warm_count >= cfg.nproc_per_node,
-            pid=os.getpid(), started=time.time(),
-        )
-        try:
-            self.record = await register(self.store, self.keys, rec, self.session.lease_id)
-        except Taken as taken:
-            holder = taken.holder
-            if holder.pid == os.getpid() and holder.agent_addr == self.agent_addr:
-                # Our own earlier registration: a rejoin whose lease we gave up for lost although
-                # etcd still holds it. Drop it and register again.
-                self.log.warning("node id %s is still held by this agent's previous lease; replacing it",
-                                 cfg.node_id)
-            elif not await tcp_refused(holder.agent_addr):
-                await self.session.close()
-                raise NodeIdConflict(
-                    f"Node id {cfg.node_id!r} is already held in job {cfg.job_id!r} by a live agent "
-                    f"(pid {holder.pid} at {holder.agent_addr}). Give this agent another --node-id."
-                ) from None
-            else:
-                self.log.warning(
-                    "node id %s was held by a dead agent (pid %d at %s); taking it over",
-                    cfg.node_id, holder.pid, holder.agent_addr,
-                )
-            await self.store.revoke_lease(holder.lease)
-            self.record = await register(self.store, self.keys, rec, self.session.lease_id)
-        if not self.record.ready:
-            self._spawn(self._announce_ready(self.record.incarnation))
+        ready = (not self.cfg.warm_workers) or self.pool.warm_count >= self.cfg.nproc_per_node
+        record = await self.membership.join(ready=ready)
+        if not record.ready:
+            self._spawn(self._announce_ready(record.incarnation))
 
     async def _announce_ready(self, incarnation: str) -> None:
         await self.pool.spares_ready()
-        if self.record is None or self.record.incarnation != incarnation or self.record.ready:
+        record = self.membership.record
+        if record is None or record.incarnation != incarnation or record.ready:
             return
-        await self._update_record(ready=True)
+        await self.membership.update(ready=True)
         self.log.info("warm workers ready after %.2f s", time.monotonic() - self.pool.spares[0].spawned_at
                       if self.pool.spares else 0.0)
 
-    async def _update_record(self, **changes) -> None:
-        new = dataclasses.replace(self.record, **changes)
-        try:
-            await update(self.store, self.keys, new, self.session.lease_id)
-            self.record = new
-        except (LeaseLost, StoreError) as exc:
-            self.log.warning("could not update this node's record: %s", exc)
-
-    def _registration(self) -> tuple[int, str] | None:
-        """This node's live lease and incarnation (the rendezvous takes the decider key under it)."""
-        if self.session is None or self.record is None or self.session.expired():
-            return None
-        return self.session.lease_id, self.record.incarnation
-
-    async def _on_peer_dead(self, node_id: str, reason: str) -> None:
-        rnd = self.rdzv.view.round if self.rdzv else None
-        rec = rnd.member(node_id) if rnd else None
-        if rec is None or not rec.lease:
-            return
-        self.log.warning("peer %s is dead (%s); revoking its lease", node_id, reason)
-        self.metrics.fault("node_lost")
-        self._events.emit("node_lost", f"{node_id}: {reason}", lost=node_id, evidence=reason)
-        try:
-            await self.store.revoke_lease(rec.lease, timeout=2.0)
-        except StoreError as exc:
-            self.log.warning("could not revoke the lease of %s: %s", node_id, exc)
-
     # -- the loop -------------------------------------------------------------------------------
     async def _loop(self) -> int:
+        seen = -1
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), 0.5)
-            except asyncio.TimeoutError:
-                pass
-            self._wake.clear()
+            await self.inbox.wait(seen, 0.5)
+            seen = self.inbox.version
             if self._stop_signal is not None:
                 self._set_state(AgentState.STOPPED)
                 return 128 + self._stop_signal
-            if self.session.expired():
+            if self.membership.expired():
                 await self._fence_self()
                 continue
             job = self.rdzv.view.job
             if job is not None:
                 return await self._finish_job(job.state, job.reason)
             await self._handle_exits()
-            self._check_hangs()
+            if (hang := self._find_hang()) is not None:
+                await self._fail_round("hang", hang)
             if self.state is AgentState.FINISHED:
                 if time.monotonic() > self._finished_at + self.cfg.exit_barrier_timeout:
                     self.log.warning("other members did not finish within %.0f s; exiting", self.cfg.exit_barrier_timeout)
@@ -363,12 +440,13 @@ class Agent:
         raise WorkerFailure(f"The job failed: {reason}.")
 
     async def _fence_self(self) -> None:
-        reason = self.session.lost_reason or "the lease ran out before it could be renewed"
+        session = self.membership.session
+        reason = (session.lost_reason if session else "") or "the lease ran out before it could be renewed"
         self.log.error("lost membership (%s): stopping workers now", reason)
         self._fence.fence()
         self.pool.kill_running_now()
         await self.pool.stop_running(0.0)
-        self.session.orphan()
+        self.membership.orphan()
         self._set_state(AgentState.FENCED)
         self.metrics.fault("fenced")
         self._events.emit("fenced", f"{self.cfg.node_id} fenced itself: {reason}", evidence=reason)
@@ -382,32 +460,8 @@ class Agent:
         self._set_state(AgentState.WAITING)
         self.log.info("rejoined as a new member")
 
-    def _on_report(self, worker: Worker, msg: dict) -> None:
-        """A worker's checkpoint, restore or trainer report: metrics, and events for the rare ones."""
-        self.metrics.report(msg)
-        kind = msg.get("t")
-        try:
-            self._report_event(worker, kind, msg)
-        except (TypeError, ValueError):
-            self.log.debug("ignored a malformed %s report from rank %s", kind, worker.rank)
-
-    def _report_event(self, worker: Worker, kind, msg: dict) -> None:
-        if kind == reports.RESTORE:
-            self._events.emit("restore", f"rank {worker.rank} restored step {msg.get('step')} from "
-                              f"{msg.get('tier')} in {float(msg.get('seconds', 0)):.2f} s", rank=worker.rank,
-                              tier=msg.get("tier"), step=msg.get("step"), seconds=msg.get("seconds"))
-        elif kind == reports.CKPT:
-            self._events.emit("checkpoint_committed", f"checkpoint step {msg.get('step')} committed to "
-                              f"{msg.get('tier')} in {float(msg.get('save_s', 0)):.2f} s", local=True,
-                              tier=msg.get("tier"), step=msg.get("step"), seconds=msg.get("save_s"),
-                              bytes=msg.get("bytes"))
-
-    def _on_worker_exit(self, worker: Worker) -> None:
-        self._exited.append(worker)
-        self._poke()
-
     async def _handle_exits(self) -> None:
-        exited, self._exited = self._exited, []
+        exited = self.inbox.take_exited()
         failed = [w for w in exited if w.round == self.worker_round and w.exit_code != 0]
         if failed and self.state is AgentState.RUNNING:
             w = failed[0]
@@ -416,27 +470,31 @@ class Agent:
             return
         running = self.pool.running
         if self.state is AgentState.RUNNING and running and all(w.exit_code == 0 for w in running):
-            self.pool.running = []
+            self.pool.finished()
             self._set_state(AgentState.FINISHED)
             self._finished_at = time.monotonic()
             self.log.info("all workers exited 0 in round %d", self.worker_round)
             self._events.emit("node_done", f"{self.cfg.node_id} finished in round {self.worker_round}")
-            await self._update_record(done_round=self.worker_round)
+            await self.membership.update(done_round=self.worker_round)
 
-    def _check_hangs(self) -> None:
+    def _find_hang(self) -> str | None:
+        """A running worker silent past ``--hang-timeout`` (after its first heartbeat, until it
+        said it is done), as the failure's detail; None if none."""
         if self.state is not AgentState.RUNNING:
-            return
+            return None
         hung = find_hung(
             time.monotonic(),
             [(w.rank, w.last_heartbeat) for w in self.pool.running if w.exit_code is None and not w.done],
             self.cfg.hang_timeout,
         )
-        if hung:
-            rank, silent = hung[0]
-            detail = f"rank {rank} sent no heartbeat for {silent:.1f} s (timeout {self.cfg.hang_timeout:g} s)"
-            self._spawn(self._fail_round("hang", detail))
+        if not hung:
+            return None
+        rank, silent = hung[0]
+        return f"rank {rank} sent no heartbeat for {silent:.1f} s (timeout {self.cfg.hang_timeout:g} s)"
 
     async def _fail_round(self, kind: str, detail: str) -> None:
+        """The one route of a local failure (an exit or a hang): stop the workers and ask for a
+        restart of their round, unless another node's request replaced it already."""
         if self.state is not AgentState.RUNNING:
             return
         self._set_state(AgentState.WAITING)
@@ -462,7 +520,7 @@ class Agent:
         if rnd is None or rnd.round == self.worker_round:
             return
         me = rnd.member(self.cfg.node_id)
-        included = rnd.active and me is not None and me.incarnation == self.record.incarnation
+        included = rnd.active and me is not None and me.incarnation == self.membership.record.incarnation
         if not included:
             if self.pool.running:
                 await self.pool.stop_running(self.cfg.restart_grace)
@@ -501,13 +559,13 @@ class Agent:
             workers = await self.pool.take()
             await workers[0].ready.wait()
             if workers[0].exit_code is not None:
-                self.pool.spares.extend(w for w in workers[1:] if w.exit_code is None)
+                self.pool.give_back(workers[1:])
                 await self._request_restart_unassigned(rnd, "the worker holding the round's store died")
                 return
             try:
                 await self.rdzv.publish_master(rnd, self.host, workers[0].store_port)
             except RoundChanged:
-                self.pool.spares.extend(workers)
+                self.pool.give_back(workers)
                 return
             master_addr, master_port = self.host, workers[0].store_port
         else:
@@ -556,6 +614,7 @@ class Agent:
 
     async def _wait_master(self, rnd: int):
         """Wait for the round's master record, but give up on stop, fencing or a newer round."""
+        seen = self.inbox.version
         while True:
             rec = self.rdzv.masters.get(rnd)
             if rec is not None:
@@ -563,15 +622,11 @@ class Agent:
             cur = self.rdzv.view.round
             if (
                 cur is None or cur.round != rnd or self.rdzv.view.job is not None
-                or self._stop_signal is not None or self.session.expired()
+                or self._stop_signal is not None or self.membership.expired()
             ):
-                self._poke()
                 return None
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), 0.5)
-            except asyncio.TimeoutError:
-                pass
+            await self.inbox.wait(seen, 0.5)
+            seen = self.inbox.version
 
     def _update_peers(self) -> None:
         rnd = self.rdzv.view.round
@@ -586,49 +641,21 @@ class Agent:
         members = [rnd.member(nid) for nid in targets] if rnd is not None else []
         self.replicator.set_peers([m.agent_addr for m in members if m is not None and m.agent_addr])
 
-    # -- shutdown -------------------------------------------------------------------------------
-    async def _shutdown(self) -> None:
-        if self._monitor is not None:
-            await self._monitor.close()
-        if self.pool is not None:
-            await self.pool.close(self.cfg.stop_grace)
-        for task in list(self._background):
-            task.cancel()
-        if self.rdzv is not None:
-            await self.rdzv.close()
-        if self._events is not None:
-            await self._events.flush()
-        if self._event_file is not None:
-            self._event_file.close()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
-        if self.session is not None:
-            await self.session.close()
-        if self._server is not None:
-            await self._server.stop(0.2)
-        if self.store is not None:
-            await self.store.close()
-        if self._etcd is not None:
-            await asyncio.to_thread(self._etcd.stop)
-        if self._fence is not None:
-            self._fence.close()
-        if self._round_end is not None:
-            self._round_end.close()
-        if self.replicator is not None:
-            await self.replicator.close()
-        if self._run_dir:
-            shutil.rmtree(self._run_dir, ignore_errors=True)
-        if self.mem_dir:
-            shutil.rmtree(self.mem_dir, ignore_errors=True)
+
+async def main(cfg: LaunchConfig, early: EarlyStart | None = None, store: Store | None = None) -> int:
+    """Assemble an agent, serve its gRPC service, run it and close everything it built."""
+    async with contextlib.AsyncExitStack() as stack:
+        parts, server = await assemble(cfg, early=early, store=store, stack=stack)
+        agent = Agent(parts)
+        await serve(server, AgentServicer(agent, parts.mem_dir, parts.token))
+        return await agent.run()
 
 
 def run_agent(cfg: LaunchConfig, early: EarlyStart | None = None) -> int:
     """Run an agent to completion in a fresh event loop; return the exit code."""
     try:
-        return asyncio.run(Agent(cfg, early=early).run())
+        return asyncio.run(main(cfg, early))
     except FtrtError:
         raise
     except KeyboardInterrupt:
         return 130
-

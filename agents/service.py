@@ -11,77 +11,96 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import grpc.aio
 
+from ftrt.agents.auth import JobToken
 from ftrt.agents.tls import PLAINTEXT, AgentTls
+from ftrt.agents.workers import Worker
+from ftrt.records import RoundRecord
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
-
-if TYPE_CHECKING:
-    from ftrt.agents.agent import Agent
 
 log = logging.getLogger(__name__)
 
 
-class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    """Answers for one :class:`~ftrt.agents.agent.Agent`."""
+@dataclass(frozen=True)
+class AgentStatus:
+    """What the service tells about its agent: a snapshot taken for each call."""
 
-    def __init__(self, agent: "Agent") -> None:
-        self.agent = agent
+    job_id: str
+    node_id: str
+    round: int
+    """The round this node's workers run in (0 before the first)."""
+    state: str
+    current: RoundRecord | None
+    """The job's current round as the agent sees it."""
+    workers: list[Worker]
+    warm_workers: int
+    max_restarts: int
+
+
+class StatusSource(Protocol):
+    """The service's view of its agent (:class:`~ftrt.agents.agent.Agent` is one)."""
+
+    def status(self) -> AgentStatus: ...
+
+
+class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
+    """Answers for one agent: its status from ``source``, replicas into ``mem_dir`` for callers
+    that show ``token``."""
+
+    def __init__(self, source: StatusSource, mem_dir: str, token: JobToken) -> None:
+        self.source = source
+        self.mem_dir = mem_dir
+        self.token = token
         self.started = time.monotonic()
 
-    def _health(self) -> agent_pb2.HealthResponse:
-        a = self.agent
+    def _health(self, st: AgentStatus) -> agent_pb2.HealthResponse:
         return agent_pb2.HealthResponse(
-            job_id=a.cfg.job_id,
-            node_id=a.cfg.node_id,
-            round=a.worker_round,
-            state=a.state.value,
-            pid=os.getpid(),
+            job_id=st.job_id, node_id=st.node_id, round=st.round, state=st.state, pid=os.getpid(),
             uptime_s=time.monotonic() - self.started,
         )
 
     async def _authorize(self, context) -> None:
         """Abort the call with UNAUTHENTICATED unless it shows the job's token (:mod:`.auth`)."""
-        token = self.agent.token
-        if token is None or not token.allows(context.invocation_metadata()):
+        if not self.token.allows(context.invocation_metadata()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "This call changes the agent's state and needs the job's token, which it did not "
                                 "show; only the job's own agents hold it.")
 
     async def Health(self, request, context):
-        return self._health()
+        return self._health(self.source.status())
 
     async def Status(self, request, context):
-        a = self.agent
-        rnd = a.rdzv.view.round if a.rdzv else None
+        st = self.source.status()
+        rnd = st.current
         now = time.monotonic()
         workers = [
             agent_pb2.WorkerStatus(
-                local_rank=w.local_rank, rank=w.rank, pid=w.pid, state=w.state, step=w.step,
+                local_rank=w.local_rank, rank=w.rank, pid=w.pid, state=w.state.value, step=w.step,
                 last_heartbeat_age_s=(now - w.last_heartbeat) if w.last_heartbeat else -1.0,
                 exit_code=w.exit_code if w.exit_code is not None else 0,
             )
-            for w in (a.pool.running + a.pool.spares if a.pool else [])
+            for w in st.workers
         ]
         return agent_pb2.StatusResponse(
-            health=self._health(),
-            group_rank=rnd.group_rank(a.cfg.node_id) if rnd else -1,
+            health=self._health(st),
+            group_rank=rnd.group_rank(st.node_id) if rnd else -1,
             world_size=rnd.world_size if rnd else 0,
             restarts=rnd.restart_count if rnd else 0,
-            max_restarts=a.cfg.max_restarts,
+            max_restarts=st.max_restarts,
             workers=workers,
-            warm_workers=a.pool.warm_count if a.pool else 0,
+            warm_workers=st.warm_workers,
         )
 
     async def Liveness(self, request, context):
         interval = min(max(request.interval_s or 0.5, 0.05), 10.0)
         while True:
-            yield agent_pb2.LivenessBeat(
-                node_id=self.agent.cfg.node_id, round=self.agent.worker_round, time=time.time()
-            )
+            st = self.source.status()
+            yield agent_pb2.LivenessBeat(node_id=st.node_id, round=st.round, time=time.time())
             await asyncio.sleep(interval)
 
 
@@ -90,19 +109,18 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
         await self._authorize(context)
         try:
-            return await receive_replica(self.agent.mem_dir, request_iterator)
+            return await receive_replica(self.mem_dir, request_iterator)
         except ValueError as exc:  # a bad name, index or size from the wire: nothing was stored
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
 
 
-async def start_server(agent: "Agent", host: str, port: int, tls: AgentTls = PLAINTEXT
-                       ) -> tuple[grpc.aio.Server, int]:
-    """Start the service on ``host:port`` (0: a free port), with mutual TLS when ``tls`` is
-    enabled; return the server and its port."""
+def bind_server(host: str, port: int, tls: AgentTls = PLAINTEXT) -> tuple[grpc.aio.Server, int]:
+    """A server listening on ``host:port`` (0: a free port), with mutual TLS when ``tls`` is
+    enabled, not serving yet (:func:`serve`): its address goes into the node record before the
+    agent that answers exists. Returns the server and its port."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(agent), server)
     if tls.enabled:
         bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
     else:
@@ -111,8 +129,13 @@ async def start_server(agent: "Agent", host: str, port: int, tls: AgentTls = PLA
         from ftrt.errors import ConfigError
 
         raise ConfigError(f"The agent could not listen on {host}:{port}; pick another --agent-port.")
-    await server.start()
     return server, bound
+
+
+async def serve(server: grpc.aio.Server, servicer: AgentServicer) -> None:
+    """Start answering on a bound server."""
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)
+    await server.start()
 
 
 async def health(addr: str, timeout: float = 1.0, tls: AgentTls = PLAINTEXT) -> agent_pb2.HealthResponse:

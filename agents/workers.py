@@ -12,6 +12,7 @@ Output: each worker's stdout and stderr lines go to the agent's stdout with a ``
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import logging
 import os
@@ -172,6 +173,16 @@ def spawn_template(*, base_env: dict[str, str], fence_path: str, warm_imports: t
     return spawned, ours
 
 
+class WorkerState(str, enum.Enum):
+    """A worker's life: ``warming -> warm -> running -> exited`` (a spare may exit from any state).
+    The values are what ``ftrt status`` and the Status RPC show."""
+
+    WARMING = "warming"
+    WARM = "warm"
+    RUNNING = "running"
+    EXITED = "exited"
+
+
 @dataclass(eq=False)
 class Worker:
     """One worker process, warm or assigned."""
@@ -183,7 +194,7 @@ class Worker:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     store_port: int = 0
-    state: str = "warming"  # warming -> warm -> running -> exited
+    state: WorkerState = WorkerState.WARMING
     local_rank: int = -1
     rank: int = -1
     round: int = 0
@@ -221,11 +232,11 @@ class SpareTemplate:
 
     @property
     def usable(self) -> bool:
-        return self.worker.state == "warm" and self.worker.exit_code is None
+        return self.worker.state is WorkerState.WARM and self.worker.exit_code is None
 
     @property
     def warming(self) -> bool:
-        return self.worker.state == "warming" and self.worker.exit_code is None
+        return self.worker.state is WorkerState.WARMING and self.worker.exit_code is None
 
     def fork(self, hosts_store: bool) -> Spawned:
         """A warm spare, forked now (raises :class:`TemplateError`)."""
@@ -295,7 +306,9 @@ class WorkerPool:
         self.on_report = on_report
         self.out = out if out is not None else sys.stdout.buffer
         self.spares: list[Worker] = []
+        """Warm or warming workers for the next round (read-only outside the pool)."""
         self.running: list[Worker] = []
+        """The workers assigned in the current round (read-only outside the pool)."""
         self._all: set[Worker] = set()
         self._closed = False
         self._refill: asyncio.Task | None = None
@@ -449,7 +462,7 @@ class WorkerPool:
                script: str | None, module: str | None, argv: tuple[str, ...]) -> None:
         """Send the worker its job; it starts running the script as soon as it is warm."""
         worker.local_rank, worker.rank, worker.round = local_rank, rank, round_no
-        worker.state = "running"
+        worker.state = WorkerState.RUNNING
         worker.assigned_at = time.monotonic()
         if self.log_dir:
             path = Path(self.log_dir) / f"round-{round_no}" / f"rank-{rank}.log"
@@ -471,6 +484,16 @@ class WorkerPool:
             os.close(worker.control_fd)
             worker.control_fd = -1
         self.running.append(worker)
+
+    def give_back(self, workers: list[Worker]) -> None:
+        """Return workers :meth:`take` handed out and that were not assigned (the round moved on):
+        the live ones are spares again."""
+        self.spares.extend(w for w in workers if w.exit_code is None and w not in self.running)
+
+    def finished(self) -> list[Worker]:
+        """The round's workers all exited 0: forget them as running (they are gone); returns them."""
+        done, self.running = self.running, []
+        return done
 
     # -- stopping -------------------------------------------------------------------------------
     async def stop_running(self, grace: float) -> None:
@@ -593,8 +616,8 @@ class WorkerPool:
                     self.on_report(worker, msg)
                 elif kind == reports.READY:
                     worker.store_port = int(msg.get("store_port", 0))
-                    if worker.state == "warming":
-                        worker.state = "warm"
+                    if worker.state is WorkerState.WARMING:
+                        worker.state = WorkerState.WARM
                     worker.ready.set()
                     if self._template is not None and worker is self._template.worker:
                         self.fill_spares()
@@ -619,11 +642,11 @@ class WorkerPool:
                 log.warning("spare worker pid %d exited with code %s while warm", worker.pid, code)
                 self.refill_later(1.0)
         previous = worker.state
-        worker.state = "exited"
+        worker.state = WorkerState.EXITED
         if worker.control_fd >= 0:
             os.close(worker.control_fd)
             worker.control_fd = -1
-        if previous == "running" and not worker.stopping:
+        if previous is WorkerState.RUNNING and not worker.stopping:
             self.on_exit(worker)
         self._all.discard(worker)
         # Let the output pumps drain before closing the log file.

@@ -39,7 +39,7 @@ def test_sharded_ranks_go_after_every_checkpoint_and_whole_ones_at_most_every_in
 
     async def main():
         server = grpc.aio.server()
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(types.SimpleNamespace(mem_dir=str(dst), token=TOKEN)), server)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(types.SimpleNamespace(status=None), str(dst), TOKEN), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         rep = Replicator("a", str(src), TOKEN, interval=0.5)

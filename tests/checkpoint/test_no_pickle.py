@@ -136,7 +136,7 @@ def test_a_replica_carrying_a_pickle_or_a_path_outside_its_folder_is_refused_ove
     async def put(*c: agent_pb2.ReplicaChunk) -> grpc.StatusCode:
         server = grpc.aio.server()
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentServicer(types.SimpleNamespace(mem_dir=str(mem), token=token)), server)
+            AgentServicer(types.SimpleNamespace(status=None), str(mem), token), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
