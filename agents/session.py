@@ -84,7 +84,8 @@ class Session:
                 self._lose(str(exc))
                 return
             except (StoreError, asyncio.TimeoutError) as exc:
-                log.warning("lease renewal failed (%s); %.2f s of lease left", exc, self.valid_until - self.clock())
+                why = str(exc) or f"no answer within {remaining:.2f} s"
+                log.warning("lease renewal failed (%s); %.2f s of lease left", why, self.valid_until - self.clock())
                 next_at = self.clock() + min(0.1, interval)
                 continue
             # A renewal that returns after the lease ran out locally does not un-fence us.
