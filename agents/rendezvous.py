@@ -139,7 +139,7 @@ class Rendezvous:
             await self._step_down("its lease changed")
         if self._election is None and mine is not None:
             record = DeciderRecord(self.node_id, mine[1], time.time())
-            self._election = Election(self.store, self.keys, mine[0], encode(record))
+            self._election = Election(self.store, self.keys, self.node_id, mine[0], encode(record))
         if self._election is None or self._decider is not None:
             return
         if self._campaign is None:

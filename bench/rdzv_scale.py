@@ -169,7 +169,10 @@ def run_ftrt(n: int, procs: int, endpoint: str, cap: float) -> dict:
         got = _collect(events, lambda g: sum(e["event"] == "round" and e["world"] == n - 2 for e in g) >= n - 2, cap)
         killed = [e for e in got if e["event"] == "killed"]
         after = [e["t"] for e in got if e["event"] == "round" and e["world"] == n - 2]
-        if not killed or len(after) < n - 2:
+        if not killed:
+            out["decider_loss_s"] = None
+            out["note"] = "no simulated node was deciding when the decider was to be killed"
+        elif len(after) < n - 2:
             out["decider_loss_s"] = None
             out["note"] = f"only {len(after)} of {n - 2} survivors held the round after the decider's loss"
         else:

@@ -4,8 +4,8 @@
 ``rdzv/`` holds what every agent watches: the round, restart requests, the rounds' master
 records, the job's terminal state and the decider key (one watch per agent covers it). ``nodes/``
 holds one record per live agent; only the job's decider watches it, so a join costs O(1) watch
-events per agent, not O(N). ``election/`` holds one candidate key per agent; each watches only
-its predecessor's. Events and checkpoint pointers live beside them so their traffic
+events per agent, not O(N). ``election/`` holds the decider election's candidate slots; an
+agent watches one of them. Events and checkpoint pointers live beside them so their traffic
 wakes no rendezvous.
 """
 
@@ -64,13 +64,13 @@ class JobKeys:
 
     @property
     def election(self) -> str:
-        """Prefix of the decider election's candidate keys (:mod:`ftrt.agents.election`), outside
-        ``rdzv/`` so that N candidates cost no agent N watch events."""
+        """Prefix of the decider election's slot keys (:mod:`ftrt.agents.election`), outside
+        ``rdzv/`` so that its traffic wakes no rendezvous watch."""
         return f"{self.root}election/"
 
-    def candidate(self, lease_id: int) -> str:
-        """A candidate's key: its lease in fixed-width hex, so no key is a prefix of another."""
-        return f"{self.election}{lease_id:016x}"
+    def election_slot(self, slot: int) -> str:
+        """A candidate slot's key (fixed width, so no key is a prefix of another)."""
+        return f"{self.election}slot-{slot:03d}"
 
     @property
     def requests(self) -> str:

@@ -200,7 +200,9 @@ class EtcdStore:
         self._closed = False
         self._watch_calls: set = set()
         self._keepalive_calls: dict[int, grpc.aio.StreamStreamCall] = {}
-        self._keepalive_lock = asyncio.Lock()
+        self._keepalive_locks: dict[int, asyncio.Lock] = {}
+        """One per lease: a stream has one renewal in flight; leases sharing the store never wait
+        for each other (simulation mode runs hundreds of leases on one store)."""
         self.errors = 0
         """Failed call attempts so far, retried or not (``ftrt_etcd_errors_total``)."""
         self._connected = False  # a call succeeded: a handshake failure from now on is transient
@@ -474,7 +476,8 @@ class EtcdStore:
         deadline = time.monotonic() + budget
         backoff = _Backoff(deadline)
         stale = ""
-        async with self._keepalive_lock:  # one request in flight per stream: answers come in order
+        lock = self._keepalive_locks.setdefault(lease_id, asyncio.Lock())
+        async with lock:  # one request in flight per stream: answers come in order
             while True:
                 metadata = await self._metadata(deadline, stale)
                 call = self._keepalive_calls.get(lease_id)
@@ -511,17 +514,19 @@ class EtcdStore:
                     await backoff.wait()
                     continue
                 if resp.TTL <= 0:
-                    self._drop_keepalive(lease_id)
+                    self._drop_keepalive(lease_id, forget=True)
                     raise LeaseLost(f"Lease {lease_id:#x} is gone from etcd (expired or revoked).")
                 return float(resp.TTL)
 
-    def _drop_keepalive(self, lease_id: int) -> None:
+    def _drop_keepalive(self, lease_id: int, *, forget: bool = False) -> None:
+        if forget:
+            self._keepalive_locks.pop(lease_id, None)
         call = self._keepalive_calls.pop(lease_id, None)
         if call is not None:
             call.cancel()
 
     async def revoke_lease(self, lease_id: int, *, timeout: float | None = None) -> None:
-        self._drop_keepalive(lease_id)
+        self._drop_keepalive(lease_id, forget=True)
         req = rpc.LeaseRevokeRequest(ID=lease_id)
         try:
             await self._unary(f"revoke of lease {lease_id:#x}", "LeaseRevoke", "_lease_stub", req, timeout)

@@ -1,11 +1,12 @@
-"""The decider election on a real etcd: one leader, and a leader's loss wakes only its successor."""
+"""The decider election on a real etcd: one leader among slot holders, a leader's loss wakes its
+successor (and the agents waiting for its slot), and no more than SLOTS agents are candidates."""
 
 from __future__ import annotations
 
 import asyncio
 import urllib.request
 
-from ftrt.agents.election import Election
+from ftrt.agents.election import SLOTS, Election, slot_of
 from ftrt.jobkeys import JobKeys
 from ftrt.store.api import Put
 from ftrt.store.etcd import EtcdStore
@@ -19,22 +20,34 @@ def _requests(endpoint: str) -> int:
                and ('grpc_method="Range"' in line or 'grpc_method="Txn"' in line))
 
 
+def _ids_in_distinct_slots(n: int) -> list[str]:
+    ids, used = [], set()
+    for i in range(1000):
+        if slot_of(f"n{i}") not in used:
+            used.add(slot_of(f"n{i}"))
+            ids.append(f"n{i}")
+        if len(ids) == n:
+            return ids
+    raise AssertionError("not enough distinct slots")
+
+
 async def _settle() -> None:
     await asyncio.sleep(0.3)
 
 
-async def test_candidates_lead_in_turn_and_a_leaders_loss_wakes_only_its_successor(own_etcd, job_id):
+async def test_slot_holders_lead_in_turn_and_a_leaders_loss_wakes_only_its_successor(own_etcd, job_id):
     keys = JobKeys(job_id)
     store = EtcdStore(own_etcd.endpoint, timeout=5.0)
+    campaigns: list[asyncio.Task] = []
     try:
-        leases = [(await store.grant_lease(30)).id for _ in range(20)]
-        elections = [Election(store, keys, lease, f"n{i}".encode()) for i, lease in enumerate(leases)]
-        campaigns = []
-        for e in elections:  # joined in order: the create revisions give the queue
+        ids = _ids_in_distinct_slots(8)
+        leases = [(await store.grant_lease(30)).id for _ in ids]
+        elections = [Election(store, keys, nid, lease, nid.encode()) for nid, lease in zip(ids, leases)]
+        for e in elections:  # joined in order: the slot keys' create revisions give the queue
             campaigns.append(asyncio.create_task(e.campaign()))
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.02)
         await _settle()
-        assert [c.done() for c in campaigns] == [True] + [False] * 19
+        assert [c.done() for c in campaigns] == [True] + [False] * 7
         leader = elections[0]
         assert (await store.txn([leader.fence()], [Put(keys.decider, b"n0")])).succeeded
 
@@ -42,20 +55,47 @@ async def test_candidates_lead_in_turn_and_a_leaders_loss_wakes_only_its_success
         await store.revoke_lease(leases[0])  # the leader dies: its key goes with its lease
         await asyncio.wait_for(campaigns[1], 5)
         await _settle()
-        # Its successor read its own predecessor once; nobody else woke (the old design: 19 races).
+        # Its successor read its own predecessor once; nobody else woke.
         assert _requests(own_etcd.endpoint) - before <= 2
-        assert [c.done() for c in campaigns[2:]] == [False] * 18
+        assert [c.done() for c in campaigns[2:]] == [False] * 6
         assert not (await store.txn([leader.fence()], [Put(keys.decider, b"n0")])).succeeded
 
         await store.revoke_lease(leases[3])  # a candidate in the middle leaves: nobody leads anew
         await _settle()
-        assert [c.done() for c in campaigns[2:]] == [False] * 18
+        assert [c.done() for c in campaigns[2:]] == [False] * 6
         await elections[1].resign()  # the leader steps down: the next one still waiting leads
         await asyncio.wait_for(campaigns[2], 5)
         await store.revoke_lease(leases[2])
         await asyncio.wait_for(campaigns[4], 5)  # 3 left earlier: its successor now waited on 2
         assert elections[4].leader and await elections[4].still_leads()
-        assert [c.done() for c in campaigns[5:]] == [False] * 15
+        assert [c.done() for c in campaigns[5:]] == [False] * 3
+    finally:
+        for c in campaigns:
+            c.cancel()
+        await store.close()
+
+
+async def test_at_most_slots_candidates_and_a_freed_slot_is_taken_by_one_waiting_agent(own_etcd, job_id):
+    keys = JobKeys(job_id)
+    store = EtcdStore(own_etcd.endpoint, timeout=5.0)
+    campaigns: list[asyncio.Task] = []
+    try:
+        ids = [f"node-{i}" for i in range(3 * SLOTS)]
+        leases = [(await store.grant_lease(30)).id for _ in ids]
+        elections = [Election(store, keys, nid, lease, nid.encode()) for nid, lease in zip(ids, leases)]
+        for e in elections:
+            campaigns.append(asyncio.create_task(e.campaign()))
+        await _settle()
+        kvs, _ = await store.get_prefix(keys.election)
+        assert len(kvs) == len({slot_of(i) for i in ids}) <= SLOTS
+        assert sum(c.done() for c in campaigns) == 1
+        leader = next(e for e, c in zip(elections, campaigns) if c.done())
+        sharing = [e for e in elections if e.key == leader.key and e is not leader]
+        assert sharing and all(not e.create_revision for e in sharing)  # waiting for the slot
+        await store.revoke_lease(leader.lease_id)
+        await _settle()
+        assert sum(bool(e.create_revision) for e in sharing) == 1  # one of them holds the slot now
+        assert sum(c.done() for c in campaigns) == 2  # and someone leads again
     finally:
         for c in campaigns:
             c.cancel()
