@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ftrt.chaos.local import LocalNode, StepLog, wait_until
+from ftrt.chaos.local import LocalNode, StepLog, spares_warm, wait_until
 from ftrt.agents.tls import AgentTls
 from ftrt.store.certs import tls_dir
 from ftrt.store.etcd_server import EtcdServer, free_port
@@ -115,9 +115,10 @@ class Cluster:
         return self._etcd.proc.pid if self._etcd is not None and self._etcd.proc is not None else None
 
     def spares_warm(self) -> bool:
+        """Every live agent has its spare workers warm, by its own ``Status`` (torchrun has none)."""
         if self.system != "ftrt" or "--no-warm" in self.launch_extra:
             return True
-        return all("spares warm again" in n.log() for n in self.nodes.values() if n.alive())
+        return spares_warm(n for n in self.nodes.values() if n.alive())
 
     def node_of_rank(self, rank: int, since: float = 0.0) -> str:
         """The node whose process tree holds the worker that last logged ``rank``."""
@@ -146,7 +147,7 @@ def _train(c: Cluster, names: list[str], steps: int) -> None:
     for name in names:
         c.add(name, c.script_args(steps))
     wait_until(lambda: c.log.stepping(world=len(names), ranks=len(names)), 120, "training to start")
-    wait_until(c.spares_warm, 120, "spare workers to be warm")
+    wait_until(c.spares_warm, 120, "spare workers to be warm", interval=0.25)
     time.sleep(1.0)  # a stretch of steady training before the fault
 
 

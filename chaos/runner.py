@@ -6,8 +6,9 @@ fire when rank 0's metrics reach ``at_step`` (or ``at_s`` after the first step),
 fault whose step was reached is always injected. Recovery of a fault is the time from its
 injection to the end of the step that closes the longest stall after it (rank 0's metrics; see
 :func:`recovery_time`). Each fault records whether every live agent's spare workers were warm
-when it came, as they are when faults come minutes apart in a long job; a *cold* fault (spares
-still warming after a start or an earlier fault) is judged against ``expect.max_cold_recovery_s``.
+when it came (each agent's own answer to ``Status``: :func:`~ftrt.chaos.local.spares_warm`), as
+they are when faults come minutes apart in a long job; a *cold* fault (spares still warming after
+a start or an earlier fault) is judged against ``expect.max_cold_recovery_s``.
 At the end, the invariants of :mod:`ftrt.chaos.invariants` are judged on what the run left
 (``final_step``, ``recovered``, ``checkpoints_verify``, ``ledger``, ``equivalence``,
 ``world_grows``, ``metrics_agree``, ``no_process_left``, ``no_stale_keys``). The runner reads every
@@ -29,7 +30,7 @@ from pathlib import Path
 from ftrt.chaos import invariants
 from ftrt.chaos.faults import Context, Injected, injector
 from ftrt.chaos.invariants import CheckpointScan, recovery_limit
-from ftrt.chaos.local import LocalNode, read_jsonl
+from ftrt.chaos.local import LocalNode, find_agents, read_jsonl, spares_warm
 from ftrt.chaos.netns import NetLab, unavailable
 from ftrt.chaos.proxy import TcpProxy
 from ftrt.chaos.s3server import MotoS3
@@ -38,6 +39,9 @@ from ftrt.store.etcd_server import free_port
 
 SCRAPE_EVERY_S = 1.0
 """How often the runner reads each live agent's Prometheus metrics (their last reading is kept)."""
+SILENCING = ("freeze_node", "partition_node")
+"""Faults during which their target's agent cannot answer ``Status`` (frozen, or cut off from the
+runner): whether its spares are warm is then what it last logged."""
 
 
 @dataclass
@@ -219,7 +223,7 @@ class ChaosRun:
                 if not due:
                     continue
                 pending.remove(f)
-                warm = all(n.spares_warm() for n in nodes.values() if n.alive())
+                warm = self._spares_warm(nodes, {rec.target for _, rec, _ in ends if rec.kind in SILENCING})
                 try:
                     inj = injector(f.kind)(ctx, f)
                 except Exception as exc:  # noqa: BLE001 - a fault that cannot be injected is a finding
@@ -248,6 +252,7 @@ class ChaosRun:
                 for name, port in ctx.metrics_ports.items():
                     if nodes[name].alive() and (got := scrape_agent(port)) is not None:
                         res.scraped[name] = got
+            find_agents(n for n in nodes.values() if n.alive())  # then a fault's warm check is one quick RPC each
             time.sleep(0.05)
         for _, rec, inj in ends:  # the run is over: end what is still going on (a dead node stays dead)
             if rec.kind != "kill_node":
@@ -256,6 +261,14 @@ class ChaosRun:
         for f in pending:
             res.records.append(FaultRecord(f.kind, f.target, f.at_s if f.at_s is not None else -1.0, f.at_step or -1,
                                            "not injected: the job ended before it was due"))
+
+    @staticmethod
+    def _spares_warm(nodes: dict[str, LocalNode], silenced: set[str]) -> bool:
+        """Every live agent's spares are warm: by its ``Status``, or for an agent a fault keeps from
+        answering (``silenced``), by what it last logged."""
+        alive = {name: n for name, n in nodes.items() if n.alive()}
+        return spares_warm(n for name, n in alive.items() if name not in silenced) and all(
+            n.spares_warm_in_log() for name, n in alive.items() if name in silenced)
 
     def run(self) -> Report:
         sc = self.sc
