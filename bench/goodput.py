@@ -117,7 +117,7 @@ def run_one(system: str, *, duration: float, every: float, down: float, ckpt_eve
             c.add(name, script)
         wait_until(lambda: len(read_jsonl(metrics)) >= 3, 300, f"{system}'s job to train")
         if math.isfinite(every):
-            wait_until(c.spares_warm, 300, "spare workers to be warm")
+            wait_until(c.spares_warm, 300, "spare workers to be warm", interval=0.25)
         first = read_jsonl(metrics)[0]
         startup = first["time"] - first["step_s"] - t_launch
         t_first = time.time()

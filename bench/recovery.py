@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ftrt.chaos.local import LocalNode, StepLog, wait_until
+from ftrt.chaos.local import LocalNode, StepLog, spares_warm, wait_until
 from ftrt.agents.tls import AgentTls
 from ftrt.store.certs import tls_dir
 from ftrt.store.etcd_server import EtcdServer, free_port
@@ -125,15 +125,10 @@ class Cluster:
         return self._etcd.proc.pid if self._etcd is not None and self._etcd.proc is not None else None
 
     def spares_warm(self) -> bool:
+        """Every live agent has its spare workers warm, by its own ``Status`` (torchrun has none)."""
         if self.system != "ftrt" or "--no-warm" in self.launch_extra:
             return True
-        return all("spares warm again" in n.log() for n in self.nodes.values() if n.alive())
-
-    def spares_warm_now(self) -> bool:
-        """Every live ftrt agent holds warm spares now (after its last round started)."""
-        if self.system != "ftrt" or "--no-warm" in self.launch_extra:
-            return True
-        return all(n.spares_warm() for n in self.nodes.values() if n.alive())
+        return spares_warm(n for n in self.nodes.values() if n.alive())
 
     def node_of_rank(self, rank: int, since: float = 0.0) -> str:
         """The node whose process tree holds the worker that last logged ``rank``."""
@@ -164,7 +159,7 @@ def _train(c: Cluster, names: list[str], steps: int, *, warm: bool = True) -> No
     wait_until(lambda: c.log.stepping(world=len(names), ranks=len(names)), 120, "training to start")
     if not warm:
         return
-    wait_until(c.spares_warm, 120, "spare workers to be warm")
+    wait_until(c.spares_warm, 120, "spare workers to be warm", interval=0.25)
     time.sleep(1.0)  # a stretch of steady training before the fault
 
 
@@ -187,7 +182,7 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
             first_step = min(x["step"] for x in c.log.lines())
             wait_until(lambda: max(x["step"] for x in c.log.lines()) >= first_step + EARLY_STEPS, 60,
                        f"{EARLY_STEPS} steps")
-            result["spares_warm_at_fault"] = c.spares_warm_now()
+            result["spares_warm_at_fault"] = c.spares_warm()
             t0 = c.nodes[c.victim(rank0=False)].kill()
             first = _wait_or_none(lambda: c.log.stepping(world=2, ranks=2, since=t0))
             result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
@@ -205,7 +200,7 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
             if scenario == "fault_during_warmup" and first:
                 result["first_recovery_s"] = result["recovery_s"]
                 time.sleep(max(0.0, max(first.values()) + SECOND_FAULT_AFTER_S - time.time()))
-                result["spares_warm_at_fault"] = c.spares_warm_now()
+                result["spares_warm_at_fault"] = c.spares_warm()
                 victim = c.victim(rank0=False)
                 t1 = c.nodes[victim].kill()
                 result["after_first_s"] = round(t1 - t0, 3)

@@ -157,6 +157,13 @@ def worker(work: Path, s3_url: str, s3_opts: dict, gib: float) -> None:
     dist.destroy_process_group()
 
 
+def _warm_after(node, round_no: int) -> bool:
+    """``node``'s agent runs a round after ``round_no`` (it took its spares for it) and has warmed
+    new ones, by its own ``Status``."""
+    st = node.agent_status()
+    return st is not None and st.health.round > round_no and st.warm_workers >= node.agent.config.nproc_per_node
+
+
 def run(gib: float, work: Path) -> dict:
     from ftrt.chaos.local import LocalNode, wait_until
     from ftrt.chaos.s3server import MotoS3
@@ -173,11 +180,13 @@ def run(gib: float, work: Path) -> dict:
         nodes = {n: LocalNode(work, n, launch, env=env).start() for n in ("node0", "node1")}
         try:
             wait_until(lambda: (work / "ready.json").exists(), 300, "both checkpoints and the replica")
-            warmed = nodes["node0"].log().count("spares warm again")
+            before = nodes["node0"].agent_status()
+            if before is None:
+                raise SystemExit(f"node0's agent does not answer Status; see {work}/agent-node0.log")
             nodes["node1"].kill()
             print("[restore bench] node1 SIGKILLed; the survivor restores at world size 1", flush=True)
-            wait_until(lambda: nodes["node0"].log().count("spares warm again") > warmed, 90,
-                       "the survivor's spares to be warm again")
+            wait_until(lambda: _warm_after(nodes["node0"], before.health.round), 90,
+                       "the survivor's spares to be warm again", interval=0.25)
             (work / "baselines.go").write_text("")
             code = nodes["node0"].wait(600)
             if code != 0 or not (work / "result.json").exists():

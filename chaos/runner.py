@@ -6,25 +6,13 @@ fire when rank 0's metrics reach ``at_step`` (or ``at_s`` after the first step),
 fault whose step was reached is always injected. Recovery of a fault is the time from its
 injection to the end of the step that closes the longest stall after it (rank 0's metrics; see
 :func:`recovery_time`). Each fault records whether every live agent's spare workers were warm
-when it came, as they are when faults come minutes apart in a long job; a *cold* fault (spares
-still warming after a start or an earlier fault) is judged against ``expect.max_cold_recovery_s``.
-At the end:
-
-- ``final_step``: every step 0..steps-1 was trained, the job exited 0;
-- ``recovered``: every fault's recovery (:func:`recovery_time`: to the end of the step closing
-  the longest stall after it) is within ``expect.max_recovery_s`` (a cold fault's within
-  ``expect.max_cold_recovery_s``);
-- ``checkpoints_verify``: every committed checkpoint verifies, except the ones a fault damaged
-  on purpose (those must fail verification);
-- ``ledger``: the trained prompts have no gap and no repeat;
-- ``equivalence``: per ``expect.equivalence`` (``exact``: a fault-free run of the same job is run
-  first and every step's metrics must match it bit for bit; ``ledger``: each step trained the
-  same prompts as a fault-free run does);
-- ``no_process_left``: no process the run started is still alive;
-- ``no_stale_keys``: no key under the job's etcd prefix is still attached to a lease;
-- ``metrics_agree`` (one ``kill_node`` or ``kill_worker`` fault): each agent that saw the
-  recovery reports it in ``ftrt_recovery_seconds`` within 0.5 s + 25 % of the time measured
-  here. The runner reads every agent's ``/metrics`` once a second (``Report.metrics``).
+when it came (each agent's own answer to ``Status``: :func:`~ftrt.chaos.local.spares_warm`), as
+they are when faults come minutes apart in a long job; a *cold* fault (spares still warming after
+a start or an earlier fault) is judged against ``expect.max_cold_recovery_s``.
+At the end, the invariants of :mod:`ftrt.chaos.invariants` are judged on what the run left
+(``final_step``, ``recovered``, ``checkpoints_verify``, ``ledger``, ``equivalence``,
+``world_grows``, ``metrics_agree``, ``no_process_left``, ``no_stale_keys``). The runner reads every
+agent's ``/metrics`` once a second (``Report.metrics``) for ``metrics_agree``.
 """
 
 from __future__ import annotations
@@ -39,8 +27,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ftrt.chaos import invariants
 from ftrt.chaos.faults import Context, Injected, injector
-from ftrt.chaos.local import LocalNode, read_jsonl
+from ftrt.chaos.invariants import CheckpointScan, recovery_limit
+from ftrt.chaos.local import LocalNode, find_agents, read_jsonl, spares_warm
 from ftrt.chaos.netns import NetLab, unavailable
 from ftrt.chaos.proxy import TcpProxy
 from ftrt.chaos.s3server import MotoS3
@@ -49,11 +39,9 @@ from ftrt.store.etcd_server import free_port
 
 SCRAPE_EVERY_S = 1.0
 """How often the runner reads each live agent's Prometheus metrics (their last reading is kept)."""
-CHECKED_BY_METRICS = ("kill_node", "kill_worker")
-"""Faults whose first evidence an agent sees at once (a broken stream, an exit), so that its
-``ftrt_recovery_seconds`` and the report's recovery time measure the same span."""
-
-EXACT_FIELDS = ("step", "reward_mean", "loss", "kl", "world_size", "prompt_ids")
+SILENCING = ("freeze_node", "partition_node")
+"""Faults during which their target's agent cannot answer ``Status`` (frozen, or cut off from the
+runner): whether its spares are warm is then what it last logged."""
 
 
 @dataclass
@@ -197,11 +185,11 @@ class ChaosRun:
             res.stale = asyncio.run(_leased_keys(endpoints, job_id, access))
             res.ctx = ctx
             if with_faults:
-                res.checkpoints = _verify_checkpoints(ckpt["checkpoint.url"], verify_opts, ctx.corrupted_steps)
+                res.checkpoints = _scan_checkpoints(ckpt["checkpoint.url"], verify_opts, ctx.corrupted_steps)
         res.lines = _lines(metrics)
         t0 = res.t_first or (res.lines[0]["time"] if res.lines else time.time())
         res.t0 = t0
-        done = sorted((r for r in res.records if not r.detail.startswith("not injected")), key=lambda r: r.at)
+        done = sorted(invariants.injected(res.records), key=lambda r: r.at)
         step_ends = [x["time"] - t0 for x in res.lines]
         for i, rec in enumerate(done):
             rec.limit_s = recovery_limit(sc, rec.spares_warm)
@@ -235,7 +223,7 @@ class ChaosRun:
                 if not due:
                     continue
                 pending.remove(f)
-                warm = all(n.spares_warm() for n in nodes.values() if n.alive())
+                warm = self._spares_warm(nodes, {rec.target for _, rec, _ in ends if rec.kind in SILENCING})
                 try:
                     inj = injector(f.kind)(ctx, f)
                 except Exception as exc:  # noqa: BLE001 - a fault that cannot be injected is a finding
@@ -264,6 +252,7 @@ class ChaosRun:
                 for name, port in ctx.metrics_ports.items():
                     if nodes[name].alive() and (got := scrape_agent(port)) is not None:
                         res.scraped[name] = got
+            find_agents(n for n in nodes.values() if n.alive())  # then a fault's warm check is one quick RPC each
             time.sleep(0.05)
         for _, rec, inj in ends:  # the run is over: end what is still going on (a dead node stays dead)
             if rec.kind != "kill_node":
@@ -272,6 +261,14 @@ class ChaosRun:
         for f in pending:
             res.records.append(FaultRecord(f.kind, f.target, f.at_s if f.at_s is not None else -1.0, f.at_step or -1,
                                            "not injected: the job ended before it was due"))
+
+    @staticmethod
+    def _spares_warm(nodes: dict[str, LocalNode], silenced: set[str]) -> bool:
+        """Every live agent's spares are warm: by its ``Status``, or for an agent a fault keeps from
+        answering (``silenced``), by what it last logged."""
+        alive = {name: n for name, n in nodes.items() if n.alive()}
+        return spares_warm(n for name, n in alive.items() if name not in silenced) and all(
+            n.spares_warm_in_log() for name, n in alive.items() if name in silenced)
 
     def run(self) -> Report:
         sc = self.sc
@@ -289,64 +286,13 @@ class ChaosRun:
             reference = self._job("reference", False, deadline).lines
         self.log(f"[chaos] {sc.name}: {sc.description}")
         job = self._job("run", True, deadline)
-        lines, records = job.lines, job.records
-        inv: dict[str, dict] = {}
-
-        def check(name: str, ok: bool, reason: str) -> None:
-            inv[name] = {"ok": bool(ok), "reason": reason}
-
-        steps = [x["step"] for x in lines]
-        codes = job.codes  # a SIGKILLed agent (not restarted) cannot exit 0
-        check("final_step", steps == list(range(sc.steps)) and all(c == 0 for c in codes.values()),
-              f"steps 0..{sc.steps - 1} trained once each, agents exited {codes}" if steps == list(range(sc.steps))
-              else f"trained steps {_ranges(steps)} of 0..{sc.steps - 1}; agents exited {codes}")
-        late = [r for r in records if r.recovery_s is None or r.recovery_s > (r.limit_s or sc.expect.max_recovery_s)]
-        injected = [r for r in records if not r.detail.startswith("not injected")]
-        cold = [r for r in injected if not r.spares_warm]
-        check("recovered", not late and len(injected) == len(records),
-              f"{len(injected)}/{len(records)} faults injected; slowest recovery "
-              f"{max((r.recovery_s or 0) for r in records) if records else 0:.2f} s "
-              f"(limit {sc.expect.max_recovery_s} s"
-              + (f"; {len(cold)} cold, limit {recovery_limit(sc, False)} s" if cold else "") + ")"
-              + (f"; late: {[r.kind for r in late]}" if late else ""))
-        check("checkpoints_verify", *job.checkpoints)
-        per = int(sc.job.grpo.get("prompts_per_step", 32))
-        ledger = [i for x in lines for i in x["prompt_ids"]]
-        check("ledger", sorted(ledger) == list(range(len(lines) * per)) and len(set(ledger)) == len(ledger),
-              f"{len(ledger)} prompts, {len(ledger) - len(set(ledger))} repeated, "
-              f"{len(set(range(len(lines) * per)) - set(ledger))} missing")
-        if sc.expect.equivalence == "exact":
-            diff = [a["step"] for a, b in zip(lines, reference or [])
-                    if {k: a[k] for k in EXACT_FIELDS} != {k: b[k] for k in EXACT_FIELDS}]
-            check("equivalence", not diff and len(lines) == len(reference or []),
-                  "every step's reward, loss, kl and prompts equal the fault-free run's" if not diff
-                  else f"steps {diff[:10]} differ from the fault-free run")
-        elif sc.expect.equivalence == "ledger":
-            wrong = [x["step"] for x in lines if x["prompt_ids"] != list(range(x["step"] * per, (x["step"] + 1) * per))]
-            check("equivalence", not wrong, "each step trained the fault-free run's prompts" if not wrong
-                  else f"steps {wrong[:10]} trained other prompts")
-        worlds: list[int] = []
-        for x in lines:
-            if not worlds or worlds[-1] != x["world_size"]:
-                worlds.append(x["world_size"])
-        if sc.expect.world_grows:
-            low = worlds.index(min(worlds)) if worlds else 0
-            check("world_grows", bool(worlds) and max(worlds[low:]) > worlds[low],
-                  f"world sizes {' -> '.join(map(str, worlds))}: "
-                  + ("it grew again after its smallest" if worlds and max(worlds[low:]) > worlds[low]
-                     else "it never grew after its smallest"))
-        agree = metrics_agree(injected, job.scraped)
-        if agree is not None:
-            check("metrics_agree", *agree)
-        left = _alive(job.pids)
-        check("no_process_left", not left, "no process of the run is alive" if not left else f"still alive: {left}")
-        check("no_stale_keys", not job.stale, "no leased key left under the job's prefix" if not job.stale
-              else f"leased keys left: {job.stale}")
+        lines = job.lines
+        inv = invariants.judge(sc, job, reference, _alive(job.pids))
         productive = sum(x.get("step_s", 0.0) for x in lines)
         span = (lines[-1]["time"] - job.t0) if lines else 0.0
-        return Report(sc.name, all(v["ok"] for v in inv.values()), self.seed, records, inv,
+        return Report(sc.name, all(v["ok"] for v in inv.values()), self.seed, job.records, inv,
                       round(productive / span, 4) if span > 0 else None, round(time.monotonic() - t_start, 1),
-                      len(lines), worlds, metrics=job.scraped)
+                      len(lines), invariants.world_sizes(lines), metrics=job.scraped)
 
 
 @dataclass
@@ -361,17 +307,8 @@ class JobResult:
     stale: list[str] = field(default_factory=list)
     t_first: float | None = None
     t0: float = 0.0
-    checkpoints: tuple[bool, str] = (False, "not checked")
+    checkpoints: CheckpointScan | None = None  # what storage held at the end (runs with faults)
     scraped: dict[str, dict] = field(default_factory=dict)  # node -> its agent's newest scrape
-
-
-def recovery_limit(sc: Scenario, spares_warm: bool) -> float:
-    """The recovery a fault is judged against: ``expect.max_recovery_s``, or for a cold fault (some
-    agent's spares still warming) ``expect.max_cold_recovery_s`` (default the larger of it and 30 s)."""
-    if spares_warm:
-        return sc.expect.max_recovery_s
-    cold = sc.expect.max_cold_recovery_s
-    return cold if cold is not None else max(sc.expect.max_recovery_s, 30.0)
 
 
 def recovery_time(at: float, step_ends: list[float], window_end: float, next_fault: bool = False,
@@ -411,12 +348,6 @@ def _yaml(v) -> str:
     return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("\n...").strip()
 
 
-def _ranges(steps: list[int]) -> str:
-    if not steps:
-        return "none"
-    return f"{min(steps)}..{max(steps)} ({len(steps)} lines, {len(set(steps))} distinct)"
-
-
 def _alive(pids: set[int]) -> list[int]:
     out = []
     for pid in sorted(pids):
@@ -443,7 +374,8 @@ async def _leased_keys(endpoints: str, job_id: str, access=None) -> list[str]:
         await store.close()
 
 
-def _verify_checkpoints(url: str, storage_options: dict | None, damaged: set[int]) -> tuple[bool, str]:
+def _scan_checkpoints(url: str, storage_options: dict | None, damaged: set[int]) -> CheckpointScan:
+    """Which committed checkpoints ``url`` holds and whether each one's files verify."""
     from ftrt.checkpoint import manifest as mf
     from ftrt.checkpoint.storage import list_steps, parse_url, step_dir
     from ftrt.errors import CheckpointCorrupt
@@ -452,8 +384,8 @@ def _verify_checkpoints(url: str, storage_options: dict | None, damaged: set[int
     try:
         steps = list_steps(loc)
     except Exception as exc:  # noqa: BLE001 - unreadable storage at the end is the finding
-        return False, f"cannot list the checkpoints at {url}: {exc}"
-    good, bad, unexpected = 0, [], []
+        return CheckpointScan(url, damaged=frozenset(damaged), listing_error=str(exc))
+    verified: dict[int, str | None] = {}
     for step in steps:
         try:
             m = mf.read_manifest(loc, step_dir(step))
@@ -461,16 +393,10 @@ def _verify_checkpoints(url: str, storage_options: dict | None, damaged: set[int
             continue  # not committed: does not exist for restore
         try:
             mf.verify_files(loc, step_dir(step), m, sorted(m.files))
-            if step in damaged:
-                unexpected.append(f"step {step} was damaged but verifies")
-            good += 1
+            verified[step] = None
         except CheckpointCorrupt as exc:
-            (bad if step in damaged else unexpected).append(f"step {step}: {exc}")
-    if unexpected:
-        return False, "; ".join(unexpected)
-    if not good:
-        return False, f"no committed checkpoint at {url}"
-    return True, f"{good} committed checkpoints verify" + (f"; {len(bad)} damaged on purpose fail as they must" if bad else "")
+            verified[step] = str(exc)
+    return CheckpointScan(url, verified, frozenset(damaged))
 
 
 def scrape_agent(port: int) -> dict | None:
@@ -496,20 +422,3 @@ def scrape_agent(port: int) -> dict | None:
             elif s.name == "ftrt_restarts_total" and s.value:
                 out["restarts"][s.labels["reason"]] = int(s.value)
     return out
-
-
-def metrics_agree(injected: list[FaultRecord], scraped: dict[str, dict]) -> tuple[bool, str] | None:
-    """Whether the agents' ``ftrt_recovery_seconds`` matches the report's recovery time, for a run
-    with one fault of a kind agents see at once (None: nothing to compare)."""
-    if len(injected) != 1 or injected[0].kind not in CHECKED_BY_METRICS or injected[0].recovery_s is None:
-        return None
-    if not scraped:  # no agent serves metrics here (network namespaces): nothing to compare
-        return None
-    seen = {n: m["recovery_sum_s"] / m["recovery_count"] for n, m in scraped.items() if m["recovery_count"] == 1}
-    if not seen:
-        return False, f"no agent's ftrt_recovery_seconds observed the {injected[0].kind} (scraped: {scraped})"
-    measured = injected[0].recovery_s
-    worst = max(seen.values(), key=lambda v: abs(v - measured))
-    ok = abs(worst - measured) <= 0.5 + 0.25 * measured
-    return ok, (f"ftrt_recovery_seconds on {', '.join(f'{n} {v:.2f} s' for n, v in sorted(seen.items()))} against "
-                f"{measured:.2f} s measured from the steps (allowed: 0.5 s + 25 %)")

@@ -1,4 +1,5 @@
-"""When the GRPO trainer checkpoints: its memory and storage cadences, fed agreed numbers.
+"""When the GRPO trainer checkpoints: its memory and storage cadences, fed agreed numbers, the
+decision what a step's save is, and the one save in flight.
 
 Both tiers' intervals are ``auto`` by default (:mod:`ftrt.checkpoint.cadence`: the Young/Daly
 interval from the measured save cost and the MTBF). Saves are collective, so every rank must
@@ -9,7 +10,8 @@ became final) ride on the step's existing all-reduce, and the cadences are fed t
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ftrt.grpo.config import GRPOConfig
 from ftrt.runtime import Runtime
@@ -42,6 +44,7 @@ class Cadences:
         self.storage = rt.cadence("storage", c.interval, max_interval_s=c.max_interval_s, mtbf=c.mtbf,
                                   on_choice=say)
         self.rt = rt
+        self._checkpointing = ck is not None
         self._unsettled: list[SaveHandle] = []
 
     def resumed(self, step: int) -> None:
@@ -76,3 +79,72 @@ class Cadences:
         for cadence, total, n in ((self.memory, mem_sum, mem_n), (self.storage, sto_sum, sto_n)):
             cadence.update(step_s=step_s / world, save_cost_s=total / n if n else None,
                            faults=self.rt.faults, elapsed_s=age / world)
+
+    def decide(self, done: int, steps: int, *, round_ends: bool) -> "SaveDecision":
+        """What to save once ``done`` of ``steps`` steps are trained (see :func:`decide_save`)."""
+        return decide_save(done, steps, checkpointing=self._checkpointing, round_ends=round_ends,
+                           storage_due=self.storage.due(done), memory_due=self.memory.due(done))
+
+
+@dataclass(frozen=True)
+class SaveDecision:
+    """The save due after a step."""
+
+    persist: bool
+    """Save to storage (which also leaves a memory copy when the job has a memory tier)."""
+    keep: bool
+    """Save at all: ``persist``, a memory copy, or the save a round ends with."""
+    skip_if_busy: bool
+    """Skip the save (memory copy only) when an unfinished one would make it queue."""
+
+    @property
+    def tier(self) -> str | None:
+        """``"storage"``, ``"memory"`` or None, as the step's metrics line records it."""
+        return "storage" if self.persist else "memory" if self.keep else None
+
+
+def decide_save(done: int, steps: int, *, checkpointing: bool, round_ends: bool, storage_due: bool,
+                memory_due: bool) -> SaveDecision:
+    """The save due once ``done`` of ``steps`` steps are trained.
+
+    The last step is always saved to storage. A round that ends after this step (a node joins)
+    ends with a save kept in memory: storage cannot take it (its commit is fenced by the round
+    that is ending). Slow storage must not slow training, so a save that would queue behind an
+    unfinished one is skipped; the final one, and the one a round ends with, never are.
+    """
+    persist = checkpointing and not round_ends and (storage_due or done == steps)
+    keep = persist or round_ends or (checkpointing and memory_due)
+    return SaveDecision(persist=persist, keep=keep, skip_if_busy=done < steps and not round_ends)
+
+
+class Saves:
+    """The trainer's saves: starts the one a :class:`SaveDecision` asks for and holds it while in
+    flight, so that the optimizer does not change the weights before the save has copied them."""
+
+    def __init__(self, ck: Checkpointer | None, cadences: Cadences, state: dict[str, Any]) -> None:
+        self.ck = ck
+        self.cadences = cadences
+        self.state = state
+        self._pending: SaveHandle | None = None
+
+    def before_update(self) -> None:
+        """Wait until the save in flight has copied the weights (call before ``optimizer.step()``)."""
+        if self._pending is not None:
+            self._pending.wait_staged()
+            self._pending = None
+
+    def start(self, done: int, decision: SaveDecision) -> None:
+        """Start the save ``decision`` asks for after step ``done`` (none: nothing happens)."""
+        if not decision.keep:
+            return
+        self._pending = self.ck.save(done, self.state, persist=decision.persist, skip_if_busy=decision.skip_if_busy)
+        self.cadences.started(self._pending)
+
+    def wait(self) -> None:
+        """Wait until the save in flight is complete (the next round resumes from it)."""
+        self._pending.wait()
+
+    def close(self) -> None:
+        """Wait for the last save and release the checkpointer: the final state is committed."""
+        if self.ck is not None:
+            self.ck.close()

@@ -23,20 +23,25 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 import ftrt
 from ftrt import _diag
-from ftrt.grpo.checkpointing import Cadences
+from ftrt.grpo.checkpointing import Cadences, SaveDecision, Saves
 from ftrt.grpo.config import GRPOConfig
 from ftrt.grpo.loss import aggregate, clipped_surrogate, group_advantages, k3_kl
 from ftrt.grpo.model import build_policy, param_count
-from ftrt.grpo.rollout import rollout, token_logps
-from ftrt.grpo.tasks import TokenizerVocab, Vocab, make_task
+from ftrt.grpo.rollout import Batch, rollout, token_logps
+from ftrt.grpo.tasks import Task, TokenizerVocab, Vocab, make_task
+from ftrt.runtime import Runtime
+
+if TYPE_CHECKING:
+    from ftrt.checkpoint.checkpointer import Checkpointer
 
 
 def shard(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -109,8 +114,91 @@ def _all_reduce(t: torch.Tensor, distributed: bool) -> torch.Tensor:
     return t
 
 
+@dataclass
+class _Run:
+    """What one run of the trainer is built from (:func:`_setup`); ``state`` is what a checkpoint holds."""
+
+    cfg: GRPOConfig
+    rt: Runtime
+    distributed: bool
+    rank: int
+    world: int
+    task: Task
+    vocab: Vocab | TokenizerVocab
+    model: torch.nn.Module
+    ref: torch.nn.Module | None
+    """The frozen initial policy the KL is measured against (None without ``kl_beta``)."""
+    params: list[torch.nn.Parameter]
+    opt: torch.optim.Optimizer
+    state: dict[str, Any]
+    max_new: int
+    prompt_len: int
+    ck: Checkpointer | None
+    cadence: Cadences
+    metrics: Metrics
+
+    @property
+    def trainer(self) -> dict[str, int]:
+        """The trainer's counters in ``state``: step, frontier, redone, resumes, tokens (a restore may
+        replace this dict, so read it afresh rather than keep it across one)."""
+        return self.state["trainer"]
+
+
+@dataclass
+class _Step:
+    """One trained step, as every rank agreed on it."""
+
+    reward_mean: float
+    loss: float
+    kl: float
+    """Summed over the step's tokens (divide by ``tokens`` for the mean)."""
+    tokens: float
+    step_s: float
+    parts: list[tuple[str, list[int]]]
+    """Which node trained which prompts, in rank order."""
+    round_ends: bool
+    """A node is joining: the round ends after this step (never after the last one)."""
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return [i for _, part in self.parts for i in part]
+
+
 def train(cfg: GRPOConfig) -> dict[str, Any]:
     """Run (or resume) the configured GRPO job; return rank 0's summary (others: a partial one)."""
+    run = _setup(cfg)
+    _resume(run)
+    tr = run.trainer
+    bar = Progress(cfg.progress if run.rank == 0 else "none", cfg.steps)
+    saves = Saves(run.ck, run.cadence, run.state)
+    step_s = 0.0
+    rewards: list[float] = []
+    t_start = time.perf_counter()
+    first_step = tr["step"]
+    ended_for_round = False
+    for step in range(tr["step"], cfg.steps):
+        done = _train_step(run, step, saves, step_s)
+        step_s = done.step_s
+        rewards.append(done.reward_mean)
+        decision = run.cadence.decide(step + 1, cfg.steps, round_ends=done.round_ends)
+        _record(run, step, done, decision, bar, first=step == first_step)
+        run.rt.heartbeat(step + 1)
+        saves.start(step + 1, decision)
+        if done.round_ends:
+            saves.wait()  # the new round resumes from this save
+            _diag.mark("round_end.saved", step=step + 1)
+            ended_for_round = True
+            break
+    bar.close()
+    saves.close()  # waits for the last save: the final state is committed before we report
+    if not ended_for_round:
+        run.rt.done()  # what follows (the summary, destroying the process group) is teardown, not a hang
+    return _finish(run, rewards, time.perf_counter() - t_start, ended_for_round)
+
+
+def _setup(cfg: GRPOConfig) -> _Run:
+    """Join the process group and build the task, the policy, its optimizer, the checkpointer,
+    the checkpoint cadences and the metrics file (the same initial weights on every rank)."""
     rt = ftrt.init()
     torch.set_num_threads(cfg.threads)
     distributed = rt.world_size > 1
@@ -142,144 +230,146 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     cadence = Cadences(rt, cfg, ck, announce=rank == 0)
     metrics = Metrics(cfg.metrics_path if rank == 0 else None)
     _diag.mark("built")
-    restored = ck.restore(state) if ck is not None else None
+    return _Run(cfg=cfg, rt=rt, distributed=distributed, rank=rank, world=world, task=task, vocab=vocab,
+                model=model, ref=ref, params=params, opt=opt, state=state, max_new=max_new, prompt_len=prompt_len,
+                ck=ck, cadence=cadence, metrics=metrics)
+
+
+def _resume(run: _Run) -> None:
+    """Restore the newest checkpoint, if there is one, and drop the metrics lines of the steps it
+    does not hold (rank 0: they will be trained again, and counted as redone)."""
+    cfg, ck = run.cfg, run.ck
+    restored = ck.restore(run.state) if ck is not None else None
     _diag.mark("restored", tier=ck.last_restore_tier if restored is not None else None)
-    tr = state["trainer"]
+    tr = run.trainer  # after the restore, which may replace the counters' dict
     if restored is not None:
         tr["resumes"] += 1
-        cadence.resumed(tr["step"])
-    if rank == 0:
-        dropped = metrics.rewind(tr["step"])
-        if restored is not None:
-            tr["redone"] += dropped
-            print(f"[ftrt.grpo] resumed at step {tr['step']} of {cfg.steps} (world size {world}, from "
-                  f"{ck.last_restore_tier}); {dropped} uncommitted step(s) will be redone", flush=True)
-        else:
-            if dropped:
-                print(f"[ftrt.grpo] no checkpoint to resume from: starting at step 0 and clearing "
-                      f"{dropped} line(s) of an earlier run from {cfg.metrics_path}", flush=True)
-            print(f"[ftrt.grpo] task {cfg.task.name} {cfg.task.params}, {param_count(model):,} parameters, "
-                  f"{cfg.steps} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} samples, "
-                  f"world size {world}", flush=True)
-    bar = Progress(cfg.progress if rank == 0 else "none", cfg.steps)
-    pending = None
-    dt = 0.0
-    rewards: list[float] = []
-    t_start = time.perf_counter()
-    first_step = tr["step"]
-    ended_for_round = False
-    for step in range(tr["step"], cfg.steps):
-        t0 = time.perf_counter()
-        frontier = tr["frontier"]
-        lo, hi = shard(cfg.prompts_per_step, world, rank)
-        mine = list(range(frontier + lo, frontier + hi))
-        batch = rollout(model, task, vocab, seed=cfg.seed, step=step, prompt_ids=mine,
-                        group=cfg.group_size, max_new=max_new, temperature=cfg.temperature)
-        adv = group_advantages(batch.rewards, cfg.adv_std_norm).reshape(-1)
-        counts = _all_reduce(torch.tensor([float(batch.mask.sum()), float(batch.mask.shape[0])],
-                                          dtype=torch.float64), distributed)
-        total_tokens, total_seqs = counts.tolist()
-        old = ref_logp = None
-        loss_value = kl_sum = 0.0
-        for _ in range(cfg.ppo_epochs):
-            opt.zero_grad(set_to_none=False)
-            if batch.mask.shape[0]:
-                logp = token_logps(model, batch.sequences, prompt_len, cfg.temperature)
-                old = logp.detach() if old is None else old
-                per_token = clipped_surrogate(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high)
-                if ref is not None:
-                    if ref_logp is None:
-                        with torch.no_grad():
-                            ref_logp = token_logps(ref, batch.sequences, prompt_len, cfg.temperature)
-                    kl = k3_kl(logp, ref_logp)
-                    per_token = per_token + cfg.kl_beta * kl
-                    kl_sum = float((kl.detach() * batch.mask).sum())
-                loss = aggregate(per_token, batch.mask, cfg.loss_agg, total_tokens=total_tokens,
-                                 total_seqs=total_seqs, max_len=max_new)
-                loss.backward()
-                loss_value = float(loss.detach())
+        run.cadence.resumed(tr["step"])
+    if run.rank != 0:
+        return
+    dropped = run.metrics.rewind(tr["step"])
+    if restored is not None:
+        tr["redone"] += dropped
+        print(f"[ftrt.grpo] resumed at step {tr['step']} of {cfg.steps} (world size {run.world}, from "
+              f"{ck.last_restore_tier}); {dropped} uncommitted step(s) will be redone", flush=True)
+        return
+    if dropped:
+        print(f"[ftrt.grpo] no checkpoint to resume from: starting at step 0 and clearing "
+              f"{dropped} line(s) of an earlier run from {cfg.metrics_path}", flush=True)
+    print(f"[ftrt.grpo] task {cfg.task.name} {cfg.task.params}, {param_count(run.model):,} parameters, "
+          f"{cfg.steps} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} samples, "
+          f"world size {run.world}", flush=True)
+
+
+def _train_step(run: _Run, step: int, saves: Saves, last_step_s: float) -> _Step:
+    """Train step ``step`` on this rank's share of its prompts and agree with the other ranks on
+    its results; advance the trainer's counters. ``last_step_s``: the previous step's duration
+    (for the checkpoint cadences)."""
+    cfg, tr = run.cfg, run.trainer
+    t0 = time.perf_counter()
+    frontier = tr["frontier"]
+    lo, hi = shard(cfg.prompts_per_step, run.world, run.rank)
+    mine = list(range(frontier + lo, frontier + hi))
+    batch = rollout(run.model, run.task, run.vocab, seed=cfg.seed, step=step, prompt_ids=mine,
+                    group=cfg.group_size, max_new=run.max_new, temperature=cfg.temperature)
+    counts = _all_reduce(torch.tensor([float(batch.mask.sum()), float(batch.mask.shape[0])],
+                                      dtype=torch.float64), run.distributed)
+    total_tokens, total_seqs = counts.tolist()
+    loss_value, kl_sum = _update(run, batch, total_tokens, total_seqs, saves)
+    # The cadence's inputs ride on this collective, so every rank decides on the same numbers.
+    # A node is joining: end this round after this step, saved in memory (the new round
+    # redoes nothing). Storage cannot take that save (its commit is fenced by the round that
+    # is ending), so without a memory tier the agent stops us at once, as before.
+    ending_here = run.ck is not None and run.ck.has_memory_tier and run.rt.round_ending()
+    sums = _all_reduce(torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum, float(ending_here),
+                                     *run.cadence.report(last_step_s)], dtype=torch.float64), run.distributed)
+    reward_sum, loss_total, kl_total, ending, *agreed = sums.tolist()
+    round_ends = ending > 0 and step + 1 < cfg.steps  # the last step ends the job anyway
+    run.cadence.update(agreed, run.world)
+    parts = _gather((run.rt.node_id, mine), run.distributed, run.world)  # which node trained which prompts
+    tr.update(step=step + 1, frontier=frontier + cfg.prompts_per_step, tokens=tr["tokens"] + int(total_tokens))
+    return _Step(reward_mean=reward_sum / max(total_seqs, 1.0), loss=loss_total, kl=kl_total,
+                 tokens=total_tokens, step_s=time.perf_counter() - t0, parts=parts, round_ends=round_ends)
+
+
+def _update(run: _Run, batch: Batch, total_tokens: float, total_seqs: float, saves: Saves) -> tuple[float, float]:
+    """The clipped policy update on one rollout (``ppo_epochs`` optimizer steps, gradients summed
+    over the ranks); return this rank's last loss and its summed KL."""
+    cfg, params, opt = run.cfg, run.params, run.opt
+    adv = group_advantages(batch.rewards, cfg.adv_std_norm).reshape(-1)
+    old = ref_logp = None
+    loss_value = kl_sum = 0.0
+    for _ in range(cfg.ppo_epochs):
+        opt.zero_grad(set_to_none=False)
+        if batch.mask.shape[0]:
+            logp = token_logps(run.model, batch.sequences, run.prompt_len, cfg.temperature)
+            old = logp.detach() if old is None else old
+            per_token = clipped_surrogate(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high)
+            if run.ref is not None:
+                if ref_logp is None:
+                    with torch.no_grad():
+                        ref_logp = token_logps(run.ref, batch.sequences, run.prompt_len, cfg.temperature)
+                kl = k3_kl(logp, ref_logp)
+                per_token = per_token + cfg.kl_beta * kl
+                kl_sum = float((kl.detach() * batch.mask).sum())
+            loss = aggregate(per_token, batch.mask, cfg.loss_agg, total_tokens=total_tokens,
+                             total_seqs=total_seqs, max_len=run.max_new)
+            loss.backward()
+            loss_value = float(loss.detach())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if run.distributed:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            off = 0
             for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            if distributed:
-                flat = torch.cat([p.grad.reshape(-1) for p in params])
-                dist.all_reduce(flat)
-                off = 0
-                for p in params:
-                    p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-                    off += p.numel()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            if pending is not None:  # the last checkpoint must have copied the weights first
-                pending.wait_staged()
-                pending = None
-            opt.step()
-        # The cadence's inputs ride on this collective, so every rank decides on the same numbers.
-        # A node is joining: end this round after this step, saved in memory (the new round
-        # redoes nothing). Storage cannot take that save (its commit is fenced by the round that
-        # is ending), so without a memory tier the agent stops us at once, as before.
-        ending_here = ck is not None and ck.has_memory_tier and rt.round_ending()
-        sums = _all_reduce(torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum, float(ending_here),
-                                         *cadence.report(dt)], dtype=torch.float64), distributed)
-        reward_sum, loss_total, kl_total, ending, *agreed = sums.tolist()
-        round_ends = ending > 0 and step + 1 < cfg.steps  # the last step ends the job anyway
-        cadence.update(agreed, world)
-        parts = _gather((rt.node_id, mine), distributed, world)  # which node trained which prompts
-        ids = [i for _, part in parts for i in part]
-        tr.update(step=step + 1, frontier=frontier + cfg.prompts_per_step, tokens=tr["tokens"] + int(total_tokens))
-        dt = time.perf_counter() - t0
-        reward_mean = reward_sum / max(total_seqs, 1.0)
-        rewards.append(reward_mean)
-        persist = ck is not None and not round_ends and (cadence.storage.due(step + 1) or step + 1 == cfg.steps)
-        keep = persist or round_ends or (ck is not None and cadence.memory.due(step + 1))
-        record = {
-            "step": step, "reward_mean": reward_mean, "loss": loss_total,
-            "kl": kl_total / max(total_tokens, 1.0), "world_size": world, "prompt_ids": ids,
-            "tokens_per_s": total_tokens / dt, "time": time.time(), "step_s": dt,
-            "redone": tr["redone"], "resumes": tr["resumes"], "nodes": sorted({n for n, _ in parts}),
-            "ckpt": "storage" if persist else "memory" if keep else None,  # the save due after this step
-        }
-        metrics.append(record)
-        if step == first_step:
-            _diag.mark("first_step", step=step, step_s=dt)
-        bar.update(step + 1, reward_mean, total_tokens / dt, world)
-        if rank == 0:  # Prometheus, through the node's agent (ftrt launch --metrics-port)
-            rt.report_metrics(reward_mean=reward_mean, kl=record["kl"], loss=loss_total,
-                              tokens_per_second=total_tokens / dt)
-        rt.heartbeat(step + 1)
-        if keep:
-            # Slow storage must not slow training: a save that would queue behind an unfinished
-            # one is skipped (memory copy only); the final one, and the one a round ends with,
-            # never are.
-            pending = ck.save(step + 1, state, persist=persist,
-                              skip_if_busy=step + 1 < cfg.steps and not round_ends)
-            cadence.started(pending)
-        if round_ends:
-            pending.wait()  # the new round resumes from this save
-            _diag.mark("round_end.saved", step=step + 1)
-            ended_for_round = True
-            break
-    bar.close()
-    if ck is not None:
-        ck.close()  # waits for the last save: the final state is committed before we report
-    if not ended_for_round:
-        rt.done()  # what follows (the summary, destroying the process group) is teardown, not a hang
-    wall = time.perf_counter() - t_start
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        saves.before_update()  # the last checkpoint must have copied the weights first
+        opt.step()
+    return loss_value, kl_sum
+
+
+def _record(run: _Run, step: int, done: _Step, decision: SaveDecision, bar: Progress, *, first: bool) -> None:
+    """Publish a trained step: rank 0's metrics line and Prometheus gauges, the progress bar."""
+    tr = run.trainer
+    record = {
+        "step": step, "reward_mean": done.reward_mean, "loss": done.loss,
+        "kl": done.kl / max(done.tokens, 1.0), "world_size": run.world, "prompt_ids": done.prompt_ids,
+        "tokens_per_s": done.tokens / done.step_s, "time": time.time(), "step_s": done.step_s,
+        "redone": tr["redone"], "resumes": tr["resumes"], "nodes": sorted({n for n, _ in done.parts}),
+        "ckpt": decision.tier,  # the save due after this step
+    }
+    run.metrics.append(record)
+    if first:
+        _diag.mark("first_step", step=step, step_s=done.step_s)
+    bar.update(step + 1, done.reward_mean, done.tokens / done.step_s, run.world)
+    if run.rank == 0:  # Prometheus, through the node's agent (ftrt launch --metrics-port)
+        run.rt.report_metrics(reward_mean=done.reward_mean, kl=record["kl"], loss=done.loss,
+                              tokens_per_second=done.tokens / done.step_s)
+
+
+def _finish(run: _Run, rewards: list[float], wall: float, ended_for_round: bool) -> dict[str, Any]:
+    """Say how the run ended, leave the round or the process group, and return the summary."""
+    tr = run.trainer
     last = rewards[-10:]
     summary = {
         "steps": tr["step"], "final_reward": sum(last) / len(last) if last else None,
-        "world_size": world, "tokens": tr["tokens"], "wall_s": wall, "redone": tr["redone"],
+        "world_size": run.world, "tokens": tr["tokens"], "wall_s": wall, "redone": tr["redone"],
         "resumes": tr["resumes"], "ended_for_round": ended_for_round,
     }
-    if rank == 0 and ended_for_round:
-        print(f"[ftrt.grpo] round {rt.round} ends after step {tr['step'] - 1}: saved; the next round resumes "
+    if run.rank == 0 and ended_for_round:
+        print(f"[ftrt.grpo] round {run.rt.round} ends after step {tr['step'] - 1}: saved; the next round resumes "
               f"at step {tr['step']}", flush=True)
-    elif rank == 0 and rewards:
+    elif run.rank == 0 and rewards:
         print(f"[ftrt.grpo] done: {tr['step']} steps, mean reward of the last {len(last)} steps "
               f"{summary['final_reward']:.3f}, {wall:.1f} s this run, {tr['redone']} step(s) redone", flush=True)
     if ended_for_round:
-        rt.exit_for_round()  # saved: the next round waits for this process to be gone
-    if distributed:
+        run.rt.exit_for_round()  # saved: the next round waits for this process to be gone
+    if run.distributed:
         dist.destroy_process_group()
     return summary
 

@@ -129,18 +129,6 @@ def test_a_fault_due_while_spares_warm_is_injected_at_its_step_and_judged_cold(t
     assert "| cold |" in (tmp_path / "r" / "report.md").read_text()
 
 
-def test_a_cold_fault_has_its_own_recovery_limit():
-    from ftrt.chaos.runner import recovery_limit
-    from ftrt.chaos.scenario import Scenario
-
-    sc = Scenario(name="x", description="y", expect={"max_recovery_s": 5})
-    assert recovery_limit(sc, True) == 5 and recovery_limit(sc, False) == 30
-    sc = Scenario(name="x", description="y", expect={"max_recovery_s": 45})
-    assert recovery_limit(sc, False) == 45
-    sc = Scenario(name="x", description="y", expect={"max_recovery_s": 5, "max_cold_recovery_s": 8})
-    assert recovery_limit(sc, False) == 8
-
-
 def test_storm_faults_are_reproducible_from_the_seed():
     from ftrt.chaos.scenario import Storm, storm_faults
 

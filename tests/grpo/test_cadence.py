@@ -35,3 +35,20 @@ def test_auto_storage_cadence_follows_the_mtbf(tmp_path):
     assert saved == due == [1, 25], (saved, due)  # the first save measures the cost; the last always goes
     saved, due, _ = train(tmp_path, "fixed", "checkpoint.interval=10")
     assert due == [10, 20, 25] and set(saved) <= set(due) and saved[-1] == 25, (saved, due)
+
+
+def test_the_save_after_a_step_follows_the_cadences_the_last_step_and_a_round_end():
+    from ftrt.grpo.checkpointing import decide_save
+
+    def decide(done, **kw):
+        args = dict(checkpointing=True, round_ends=False, storage_due=False, memory_due=False) | kw
+        d = decide_save(done, 10, **args)
+        return d.tier, d.skip_if_busy
+
+    assert decide(3) == (None, True)
+    assert decide(3, memory_due=True) == ("memory", True)
+    assert decide(3, storage_due=True, memory_due=True) == ("storage", True)
+    assert decide(10) == ("storage", False)  # the final save: always to storage, never skipped
+    # A round that ends after this step ends with a memory save, never skipped; storage cannot take it.
+    assert decide(4, round_ends=True, storage_due=True) == ("memory", False)
+    assert decide(10, checkpointing=False, storage_due=True, memory_due=True) == (None, False)
