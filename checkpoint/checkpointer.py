@@ -36,20 +36,21 @@ import torch.distributed as dist
 
 from ftrt import _diag, reports
 from ftrt.checkpoint import manifest as mf
+from ftrt.checkpoint.commit import Committer
+from ftrt.checkpoint.group import CheckpointGroup
 from ftrt.checkpoint.signing import CheckpointKey
 from ftrt.checkpoint import memtier
 from ftrt.checkpoint import state as st
 from ftrt.checkpoint.skeleton import Unencodable
 from ftrt.checkpoint.staging import Stager
 from ftrt.checkpoint.storage import (
-    MANIFEST,
     Location,
+    brief,
     dcp_reader,
     dcp_writer,
     list_steps,
     parse_url,
     step_dir,
-    write_bytes,
 )
 from ftrt.errors import CheckpointCorrupt, CheckpointSaveFailed, CheckpointUnavailable, ConfigError, RoundChanged
 
@@ -189,25 +190,14 @@ class Checkpointer:
         self.retries = retries
         self.retry_backoff = retry_backoff
         self.thread_count = thread_count
-        self.on_commit = on_commit
-        self.pre_commit = pre_commit
         self.latest_limit = latest_limit
         self.round_no = round_no
         self._report = report or _report_to_agent
         self.key = key
-        self._checksum = "sha256" if key is not None else "crc32"
-        self.distributed = dist.is_available() and dist.is_initialized()
-        if self.distributed:
-            self.rank = dist.get_rank()
-            self.world = dist.get_world_size(process_group) if process_group else dist.get_world_size()
-            # A group of its own: checkpoint collectives run on a background thread and must never
-            # interleave with the training loop's.
-            ranks = dist.get_process_group_ranks(process_group) if process_group else None
-            self._pg = dist.new_group(ranks=ranks, backend="gloo")
-            # Another for the training thread's one collective (skip_if_busy's agreement).
-            self._vote_pg = dist.new_group(ranks=ranks, backend="gloo")
-        else:
-            self.rank, self.world, self._pg, self._vote_pg = 0, 1, None, None
+        self._group = CheckpointGroup(process_group)
+        self.distributed = self._group.distributed
+        self.rank, self.world = self._group.rank, self._group.world
+        self._pg = self._group.pg
         self._stager = Stager(staging_slots or (3 if mem_dir else 2))
         self._state_dicts = st.StateDicts()  # fast to_dcp for every save
         self._stage_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftrt-ckpt-stage")
@@ -219,46 +209,28 @@ class Checkpointer:
         self._delete_pool = cf.ThreadPoolExecutor(
             1, thread_name_prefix="ftrt-ckpt-delete", initializer=_lower_priority, initargs=(persist_nice,)
         )
+        self._committer = Committer(self._group, self.loc, keep=keep, key=key, round_no=round_no,
+                                    pre_commit=pre_commit, on_commit=on_commit, latest_limit=latest_limit,
+                                    report=self._report, background=self._delete_pool)
         self._pending: list[SaveHandle] = []
         self._prewarmed = False
         self.mem_dir = mem_dir
         self._arena = memtier.Arena(mem_dir, self.rank) if mem_dir else None
         self.last_restore_tier: str | None = None
         self._closed = False
-        self.last_committed: int | None = None
         self.skipped_saves = 0  # saves skip_if_busy turned into memory-only ones or skipped
         if self.rank == 0 and self.loc.is_local:
             self.loc.fs.makedirs(self.loc.root, exist_ok=True)
 
-    # -- collectives on our own group ------------------------------------------------------------
     @property
     def has_memory_tier(self) -> bool:
         """True when saves also go to the node's memory tier (``save(..., persist=False)`` works)."""
         return self._arena is not None
 
-    def _any_rank(self, *flags: bool) -> tuple[bool, ...]:
-        """Each flag, true on every rank when it is true on any (one collective on the vote group)."""
-        if not self.distributed or _diag.off("vote"):
-            return tuple(flags)
-        import torch
-
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._vote_pg)
-        return tuple(bool(v) for v in t.tolist())
-
-    def _all_gather(self, obj: Any) -> list[Any]:
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self._pg)
-        return out
-
-    def _broadcast(self, obj: Any) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0), group=self._pg)
-        return box[0]
+    @property
+    def last_committed(self) -> int | None:
+        """The step this process last saw committed to storage, or None."""
+        return self._committer.last_committed
 
     # -- save -----------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], *, persist: bool = True,
@@ -294,7 +266,7 @@ class Checkpointer:
             # step exists before every rank got here (a trainer's record of the step written
             # before saving, e.g. ftrt.grpo's metrics line, can then never be missing for a step
             # restore resumes after; the chaos ledger caught that once when it was skipped).
-            writing, no_slot = self._any_rank(writing, not self._stager.has_free(avoid))
+            writing, no_slot = self._group.any_rank(writing, not self._stager.has_free(avoid))
             if writing:
                 log.info("checkpoint step %d: an earlier save is still writing to storage; %s", step,
                          "memory copy only" if self._arena is not None else "skipped")
@@ -383,8 +355,7 @@ class Checkpointer:
             sd = staged.result()
             c0 = time.thread_time()  # after the staging wait: only this save's own work counts
             folder = step_dir(step)
-            already = self._broadcast(self._committed_or_unknown(folder, step) if self.rank == 0 else None)
-            if already:
+            if self._committer.already_committed(folder, step):
                 log.info("checkpoint step %d is already committed; not saving it again", step)
                 return
             error: BaseException | None = None
@@ -403,50 +374,19 @@ class Checkpointer:
                     if attempt < self.retries:
                         delay = self.retry_backoff * (2 ** attempt)
                         log.warning("checkpoint step %d: attempt %d failed (%s); retrying in %.1f s",
-                                    step, attempt + 1, _short(exc), delay)
+                                    step, attempt + 1, brief(exc), delay)
                         time.sleep(delay)
             if error is not None:
                 raise CheckpointSaveFailed(
                     f"Checkpoint step {step} was not saved to {self.loc.url} after {attempts} "
-                    f"attempt(s): {_short(error)}. Nothing was committed; training can go on."
+                    f"attempt(s): {brief(error)}. Nothing was committed; training can go on."
                 ) from error
-            self.last_committed = step
-            if self.rank == 0:
-                self._delete_pool.submit(self._retain)
-                self._report(reports.committed("storage", 0, step, written, time.perf_counter() - t0))
+            self._committer.committed(step, written, time.perf_counter() - t0)
         finally:
             self._stager.release(slot)
             handle.persist_s = time.perf_counter() - t0
             if c0 is not None:
                 handle.background_cpu_s += time.thread_time() - c0
-
-    def _committed(self, folder: str) -> bool:
-        """Whether ``folder`` holds a valid manifest. Storage errors propagate: "cannot tell" must
-        never read as "not committed" where that leads to deletion."""
-        try:
-            mf.read_manifest(self.loc, folder, self.key)
-            return True
-        except CheckpointCorrupt:
-            return False
-
-    def _valid_unsigned(self, folder: str) -> bool:
-        """Whether ``folder`` holds a manifest that is valid except for its signature (written
-        without this job's key: untrusted, and kept)."""
-        try:
-            mf.read_manifest(self.loc, folder)
-            return True
-        except CheckpointCorrupt:
-            return False
-
-    def _committed_or_unknown(self, folder: str, step: int) -> bool:
-        try:
-            if not self._committed(folder):
-                return False
-            # Above the job's pointer a manifest is not trusted (a stale round may have left it).
-            limit = self.latest_limit() if self.latest_limit is not None else None
-            return limit is None or step <= limit
-        except Exception:  # storage or etcd down: the save attempt below reports it
-            return False
 
     def _write(self, folder: str, step: int, sd: Any) -> int:
         """One attempt: DCP save, checksums, manifest (rank 0), all ranks agree on the outcome.
@@ -459,69 +399,13 @@ class Checkpointer:
                 if self.loc.fs.exists(self.loc.path(folder)):
                     self.loc.fs.rm(self.loc.path(folder), recursive=True)  # leftovers of a failed attempt
             except Exception as exc:
-                cleared = f"rank 0 could not clear {folder}: {_short(exc)}"
-        cleared = self._broadcast(cleared)  # every rank learns the outcome: no one waits alone
+                cleared = f"rank 0 could not clear {folder}: {brief(exc)}"
+        cleared = self._group.broadcast(cleared)  # every rank learns the outcome: no one waits alone
         if cleared:
             raise OSError(cleared)
         writer = dcp_writer(self.loc, folder, self.thread_count)
         dcp.save(sd, storage_writer=writer, process_group=self._pg, no_dist=not self.distributed)
-        mine: dict[str, mf.FileEntry] | str
-        try:
-            names = [p.rsplit("/", 1)[-1] for p in self.loc.fs.ls(self.loc.path(folder), detail=False)]
-            own = [n for n in names if n.startswith(f"__{self.rank}_") or (self.rank == 0 and n == ".metadata")]
-            mine = {n: mf.checksum_file(self.loc, self.loc.path(folder, n), self._checksum) for n in own}
-        except Exception as exc:
-            mine = f"rank {self.rank}: {_short(exc)}"
-        parts = self._all_gather(mine)
-        failures = [p for p in parts if isinstance(p, str)]
-        if failures:
-            raise OSError("; ".join(failures))
-        outcome = None
-        if self.rank == 0:
-            files: dict[str, mf.FileEntry] = {}
-            for p in parts:
-                files.update(p)
-            m = mf.Manifest(step=step, world_size=self.world, files=files, round=self.round_no, time=time.time(),
-                            checksum=self._checksum)
-            if self.key is not None:
-                m = m.signed(self.key)
-            manifest_path = self.loc.path(folder, MANIFEST)
-            try:
-                if self.pre_commit is not None:
-                    self.pre_commit()
-                write_bytes(self.loc, manifest_path, m.to_json())
-                if self.on_commit is not None:
-                    try:
-                        self.on_commit(step)
-                    except RoundChanged:
-                        self.loc.fs.rm(manifest_path)  # withdraw: a stale round's checkpoint must not exist
-                        raise
-            except RoundChanged as exc:
-                outcome = ("round", str(exc))
-            except Exception as exc:
-                outcome = ("error", f"rank 0 could not commit: {_short(exc)}")
-        outcome = self._broadcast(outcome)
-        if outcome:
-            kind, message = outcome
-            raise RoundChanged(message) if kind == "round" else OSError(message)
-        return sum(e.size for e in files.values()) if self.rank == 0 else 0
-
-    def _retain(self) -> None:
-        """Delete all but the newest ``keep`` committed checkpoints, and dead uncommitted folders."""
-        try:
-            steps = list_steps(self.loc)
-            committed = [s for s in steps if self._committed(step_dir(s))]
-            keep = set(committed[-self.keep:])
-            newest = committed[-1] if committed else -1
-            for s in steps:
-                if s in keep or s > newest:
-                    continue  # never the kept ones, nor a save that may still be in flight
-                if self.key is not None and self._valid_unsigned(step_dir(s)):
-                    continue  # not trusted under this key, but not ours to delete either
-                self.loc.fs.rm(self.loc.path(step_dir(s)), recursive=True)
-                log.debug("deleted checkpoint step %d", s)
-        except Exception as exc:
-            log.warning("checkpoint retention failed (will retry after the next save): %s", _short(exc))
+        return self._committer.commit(folder, step)
 
     # -- restore --------------------------------------------------------------------------------
     def wait_pending(self) -> None:
@@ -548,7 +432,7 @@ class Checkpointer:
 
         self.wait_pending()
         _diag.mark("restore.pointer")
-        limit = self._broadcast(self.latest_limit() if self.rank == 0 and self.latest_limit is not None else None)
+        limit = self._group.broadcast(self.latest_limit() if self.rank == 0 and self.latest_limit is not None else None)
         # Only rank 0 lists; with a pointer and a memory tier, storage is listed only if memory fails.
         listing = _Listing(self.loc) if self.rank == 0 and (limit is None or self._arena is None) else None
         if self._arena is not None:
@@ -567,7 +451,7 @@ class Checkpointer:
         steps, storage_error = self._listed(listing, None)
         if storage_error is not None:
             raise CheckpointUnavailable(
-                f"Cannot restore: listing the checkpoints in {self.loc.url} failed ({_short(storage_error)}) "
+                f"Cannot restore: listing the checkpoints in {self.loc.url} failed ({brief(storage_error)}) "
                 f"and no memory checkpoint covers this job. Check that the storage is reachable; the "
                 f"checkpoints there are untouched."
             ) from storage_error
@@ -602,9 +486,9 @@ class Checkpointer:
         found = listing.wait(timeout) if listing is not None else None
         if listing is not None:
             _diag.mark("restore.listed")
-        steps, error = self._broadcast(found)
+        steps, error = self._group.broadcast(found)
         if error is not None:
-            log.warning("cannot list the checkpoints in %s (%s)", self.loc.url, _short(error))
+            log.warning("cannot list the checkpoints in %s (%s)", self.loc.url, brief(error))
         return steps, error
 
     def _restore_memory(self, state: dict[str, Any], newest_storage: int) -> int | None:
@@ -613,7 +497,7 @@ class Checkpointer:
         import torch
 
         mine = memtier.scan(self.mem_dir)
-        held = self._all_gather([{k: v for k, v in m.items() if k != "file"} for m in mine])
+        held = self._group.all_gather([{k: v for k, v in m.items() if k != "file"} for m in mine])
         pick = memtier.choose(held)
         if pick is None or pick[0] < newest_storage:
             (log.warning if any(held) else log.debug)(
@@ -623,7 +507,7 @@ class Checkpointer:
             return None
         step, rnd, world, holders = pick
         _diag.mark("restore.memory.chosen")
-        indexes = self._all_gather({m["rank"]: m for m in mine if (m["step"], m["round"], m["world"]) == (step, rnd, world)})
+        indexes = self._group.all_gather({m["rank"]: m for m in mine if (m["step"], m["round"], m["world"]) == (step, rnd, world)})
         old = {r: indexes[h][r] for r, h in holders.items()}
         target = st.to_dcp(state)
         t_flat, _ = memtier.flatten(target)
@@ -634,7 +518,7 @@ class Checkpointer:
             error = None
         except memtier.Unsupported as exc:
             need, error = set(), str(exc)
-        needs = self._all_gather((sorted(need), error))
+        needs = self._group.all_gather((sorted(need), error))
         errors = [e for _, e in needs if e]
         if errors:
             log.warning("memory tier cannot restore this state (%s); using storage", errors[0])
@@ -653,7 +537,7 @@ class Checkpointer:
             error = None
         except memtier.Unsupported as exc:
             error = str(exc)
-        errors = [e for e in self._all_gather(error) if e]
+        errors = [e for e in self._group.all_gather(error) if e]
         if errors:
             log.warning("memory tier could not restore (%s); using storage", errors[0])
             return None
@@ -674,7 +558,7 @@ class Checkpointer:
                 found = str(exc)
         else:
             found = None
-        found = self._broadcast(found)
+        found = self._group.broadcast(found)
         if isinstance(found, str):
             return found
         names = sorted(found.files)
@@ -685,8 +569,8 @@ class Checkpointer:
         except CheckpointCorrupt as exc:
             mine = str(exc)
         except Exception as exc:
-            mine = f"could not read files: {_short(exc)}"
-        reasons = [r for r in self._all_gather(mine) if r]
+            mine = f"could not read files: {brief(exc)}"
+        reasons = [r for r in self._group.all_gather(mine) if r]
         return reasons[0] if reasons else None
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -723,12 +607,6 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
     except (AttributeError, OSError):
         pass
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first[:300]}"
 
 
 __all__ = ["Checkpointer", "SaveHandle"]
