@@ -30,8 +30,6 @@ import time
 import warnings
 from typing import Any, Callable
 
-import torch.distributed as dist
-
 from ftrt import _diag, reports
 from ftrt.checkpoint import manifest as mf
 from ftrt.checkpoint.commit import Committer
@@ -39,6 +37,7 @@ from ftrt.checkpoint.group import CheckpointGroup
 from ftrt.checkpoint.signing import CheckpointKey
 from ftrt.checkpoint import memtier
 from ftrt.checkpoint import state as st
+from ftrt.checkpoint.memrestore import MemoryRestore
 from ftrt.checkpoint.saving import SaveHandle, SavePipeline, background_pool
 from ftrt.checkpoint.staging import Stager
 from ftrt.checkpoint.storage import (
@@ -145,6 +144,7 @@ class Checkpointer:
                                     committer=self._committer, background=self._delete_pool, report=self._report,
                                     round_no=round_no, retries=retries, retry_backoff=retry_backoff,
                                     thread_count=thread_count, persist_nice=persist_nice)
+        self._memory = MemoryRestore(self._group, mem_dir) if mem_dir else None
         self.last_restore_tier: str | None = None
         self._closed = False
         if self.rank == 0 and self.loc.is_local:
@@ -209,8 +209,8 @@ class Checkpointer:
         _diag.mark("restore.pointer")
         limit = self._group.broadcast(self.latest_limit() if self.rank == 0 and self.latest_limit is not None else None)
         # Only rank 0 lists; with a pointer and a memory tier, storage is listed only if memory fails.
-        listing = _Listing(self.loc) if self.rank == 0 and (limit is None or self._arena is None) else None
-        if self._arena is not None:
+        listing = _Listing(self.loc) if self.rank == 0 and (limit is None or self._memory is None) else None
+        if self._memory is not None:
             # The memory tier first. The job's pointer names storage's newest trusted step, so storage's
             # listing is not waited for; without a pointer, a slow or unreachable storage holds the
             # restore up for LIST_TIMEOUT_S at most.
@@ -218,8 +218,9 @@ class Checkpointer:
             if newest is None:
                 steps, _ = self._listed(listing, LIST_TIMEOUT_S)
                 newest = max(steps or [], default=-1)
-            got = self._restore_memory(state, newest_storage=newest)
+            got = self._memory.restore(state, newest_storage=newest)
             if got is not None:
+                self.last_restore_tier = "memory"
                 return got
         if listing is None and self.rank == 0:
             listing = _Listing(self.loc)
@@ -265,63 +266,6 @@ class Checkpointer:
         if error is not None:
             log.warning("cannot list the checkpoints in %s (%s)", self.loc.url, brief(error))
         return steps, error
-
-    def _restore_memory(self, state: dict[str, Any], newest_storage: int) -> int | None:
-        """Restore from the newest complete memory checkpoint held by this job's nodes, if it is at
-        least as new as storage's. Collective; every rank returns the same answer."""
-        import torch
-
-        mine = memtier.scan(self.mem_dir)
-        held = self._group.all_gather([{k: v for k, v in m.items() if k != "file"} for m in mine])
-        pick = memtier.choose(held)
-        if pick is None or pick[0] < newest_storage:
-            (log.warning if any(held) else log.debug)(
-                "memory tier not used: %s (storage's newest: step %s; the nodes hold %s)",
-                "no step is held whole" if pick is None else f"its newest whole step {pick[0]} is older",
-                newest_storage if newest_storage >= 0 else "none", memtier.describe(held))
-            return None
-        step, rnd, world, holders = pick
-        _diag.mark("restore.memory.chosen")
-        indexes = self._group.all_gather({m["rank"]: m for m in mine if (m["step"], m["round"], m["world"]) == (step, rnd, world)})
-        old = {r: indexes[h][r] for r, h in holders.items()}
-        target = st.to_dcp(state)
-        t_flat, _ = memtier.flatten(target)
-        local = {r: m for r, m in indexes[self.rank].items()}
-        arenas = {r: torch.from_file(m["file"], shared=False, size=m["size"], dtype=torch.uint8) for r, m in local.items()}
-        try:
-            need = memtier.needed_ranks(t_flat, old, set(local))
-            error = None
-        except memtier.Unsupported as exc:
-            need, error = set(), str(exc)
-        needs = self._group.all_gather((sorted(need), error))
-        errors = [e for _, e in needs if e]
-        if errors:
-            log.warning("memory tier cannot restore this state (%s); using storage", errors[0])
-            return None
-        for r in sorted(holders):
-            holder = holders[r]
-            if not any(r in n and i != holder for i, (n, _) in enumerate(needs)):
-                continue
-            buf = arenas[r] if self.rank == holder else torch.empty(old[r]["size"], dtype=torch.uint8)
-            dist.broadcast(buf, src=dist.get_global_rank(self._pg, holder), group=self._pg)
-            if r in needs[self.rank][0]:
-                arenas[r] = buf
-        _diag.mark("restore.memory.fetched")
-        try:
-            memtier.fill(t_flat, old, arenas, files={r: m["file"] for r, m in local.items()})
-            error = None
-        except memtier.Unsupported as exc:
-            error = str(exc)
-        errors = [e for e in self._group.all_gather(error) if e]
-        if errors:
-            log.warning("memory tier could not restore (%s); using storage", errors[0])
-            return None
-        _diag.mark("restore.memory.filled")
-        loaded = memtier.unflatten(old[min(old)]["skeleton"], t_flat)
-        st.apply(state, loaded)
-        log.info("restored checkpoint step %d from memory (saved by %d ranks in round %d)", step, world, rnd)
-        self.last_restore_tier = "memory"
-        return step
 
     def _verify(self, folder: str) -> str | None:
         """None if the checkpoint verifies on every rank, else the first reason found."""
