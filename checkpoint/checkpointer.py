@@ -1,54 +1,38 @@
 """The :class:`Checkpointer`: sharded async saves with atomic checksummed commits, verified restore.
 
-Save = stage, then persist:
+The public face of the checkpoint service. It builds its parts once, when constructed, and each
+call goes to the one that does the work:
 
-1. ``save(step, state)`` resolves ``state`` to DCP's dict (references, no copy), deep-copies the
-   plain Python values, takes a staging slot (waiting if all are busy), queues the tensor copy on
-   the staging thread and returns a :class:`SaveHandle` at once.
-2. The staging thread copies tensors into the slot's reusable buffers; ``handle.wait_staged()``
-   returns after that, and from then on the caller may change its tensors (call it before
-   ``optimizer.step()``).
-3. The persist thread writes the staged copy with ``dcp.save`` into ``step-<N>/`` on a process
-   group of its own (gloo), so its collectives never meet the training loop's. Then every rank
-   checksums the files it wrote, rank 0 gathers the sizes and checksums and writes
-   ``manifest.json`` last: the checkpoint exists from that moment on. Storage errors are retried
-   (``retries`` times, backing off); a save that still fails raises from ``handle.wait()``,
-   leaves no manifest, and does not stop training.
-4. Rank 0 then deletes checkpoints beyond the newest ``keep`` and abandoned folders, on a thread
-   of its own.
+- :mod:`ftrt.checkpoint.saving`: ``save`` stages the state (``handle.wait_staged()``: the caller
+  may change its tensors again) and persists it with DCP on a background thread, retrying;
+- :mod:`ftrt.checkpoint.commit`: every rank's files become a checkpoint when rank 0 writes the
+  manifest (and, under ``ftrt launch``, moves the job's pointer), old checkpoints are deleted;
+- :mod:`ftrt.checkpoint.memrestore` and :mod:`ftrt.checkpoint.storagerestore`: ``restore`` tries
+  the memory tier first (when there is one), then storage;
+- :mod:`ftrt.checkpoint.group`: the ranks and the collectives they share.
 
-``restore(state)`` takes the newest checkpoint whose manifest is valid and whose files all match
-their sizes and checksums (ranks verify disjoint shares in parallel), skipping damaged ones with a
-warning, and loads it in place with ``dcp.load`` (which reshards DTensors to the current world).
+Reports (``mem``, ``ckpt``, ``restore``) go to the ``report`` callback alone; ``rt.checkpointer``
+passes its worker's (:meth:`ftrt.runtime.Runtime.checkpointer`).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import warnings
 from typing import Any, Callable
 
 from ftrt import _diag, reports
-from ftrt.checkpoint import manifest as mf
+from ftrt.checkpoint import memtier
 from ftrt.checkpoint.commit import Committer
 from ftrt.checkpoint.group import CheckpointGroup
-from ftrt.checkpoint.signing import CheckpointKey
-from ftrt.checkpoint import memtier
-from ftrt.checkpoint import state as st
 from ftrt.checkpoint.memrestore import MemoryRestore
 from ftrt.checkpoint.saving import SaveHandle, SavePipeline, background_pool
+from ftrt.checkpoint.signing import CheckpointKey
 from ftrt.checkpoint.staging import Stager
-from ftrt.checkpoint.storage import (
-    Location,
-    brief,
-    dcp_reader,
-    list_steps,
-    parse_url,
-    step_dir,
-)
-from ftrt.errors import CheckpointCorrupt, CheckpointUnavailable, ConfigError
+from ftrt.checkpoint.storage import Location, parse_url
+from ftrt.checkpoint.storagerestore import StorageRestore
+from ftrt.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +45,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 class Checkpointer:
-    """Sharded async checkpoints under one URL. See the module docstring.
+    """Sharded async checkpoints under one URL, in storage and (with ``mem_dir``) in node memory.
 
     Args:
         url: local path, ``file://``, ``s3://bucket/prefix`` or ``memory://name``.
@@ -75,6 +59,7 @@ class Checkpointer:
             written, and one still being persisted to storage, so that memory checkpoints every
             step never wait for (or skip because of) a storage save.
         retries: attempts after the first when persisting fails.
+        retry_backoff: seconds before the first retry, doubled for each next one.
         thread_count: DCP writer threads per rank.
         on_commit: called as ``on_commit(step)`` on rank 0 after a manifest is written (the
             runtime uses it to move the job's ``latest`` pointer). If it raises
@@ -83,6 +68,7 @@ class Checkpointer:
             :class:`~ftrt.errors.RoundChanged` stops the commit.
         latest_limit: called at restore; returns the highest step allowed (the job's pointer),
             or None for no limit.
+        round_no: the rendezvous round this worker runs in, recorded in every checkpoint.
         persist_nice: niceness added to the persistence thread (Linux; 0 leaves it alone).
         mem_dir: the node's memory-tier directory (under ``ftrt launch``: ``$FTRT_MEM_DIR``, kept
             by the agent). With it, every save is also a memory checkpoint and restore prefers the
@@ -121,18 +107,14 @@ class Checkpointer:
             raise ConfigError(f"keep={keep}: a checkpointer must keep at least 1 checkpoint.")
         self.loc: Location = parse_url(url, storage_options)
         self.keep = keep
-        self.retries = retries
-        self.retry_backoff = retry_backoff
-        self.thread_count = thread_count
-        self.latest_limit = latest_limit
-        self.round_no = round_no
-        self._report = report or _report_to_agent
         self.key = key
+        self.round_no = round_no
+        self.mem_dir = mem_dir
+        self._latest_limit = latest_limit
+        self._report = report or _report_to_agent
         self._group = CheckpointGroup(process_group)
         self.distributed = self._group.distributed
         self.rank, self.world = self._group.rank, self._group.world
-        self._pg = self._group.pg
-        self.mem_dir = mem_dir
         self._arena = memtier.Arena(mem_dir, self.rank) if mem_dir else None
         self._stager = Stager(staging_slots or (3 if mem_dir else 2))
         # Retention and pre-faulting staging slots: background work at a lower CPU priority.
@@ -145,7 +127,9 @@ class Checkpointer:
                                     round_no=round_no, retries=retries, retry_backoff=retry_backoff,
                                     thread_count=thread_count, persist_nice=persist_nice)
         self._memory = MemoryRestore(self._group, mem_dir) if mem_dir else None
+        self._storage = StorageRestore(self._group, self.loc, key)
         self.last_restore_tier: str | None = None
+        """The tier the last successful restore loaded from (``"memory"`` or ``"storage"``), or None."""
         self._closed = False
         if self.rank == 0 and self.loc.is_local:
             self.loc.fs.makedirs(self.loc.root, exist_ok=True)
@@ -168,7 +152,11 @@ class Checkpointer:
     # -- save -----------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], *, persist: bool = True,
              skip_if_busy: bool = False) -> SaveHandle:
-        """Start a save of ``state`` as ``step``; returns at once (see the module docstring).
+        """Start a save of ``state`` as ``step``; returns at once (:mod:`ftrt.checkpoint.saving`).
+
+        ``handle.wait_staged()`` returns once the state is copied (call it before
+        ``optimizer.step()``); ``handle.wait()`` once it is committed, raising
+        :class:`~ftrt.errors.CheckpointSaveFailed` if it could not be (training can go on).
 
         ``persist=False`` makes a memory checkpoint only (needs ``mem_dir``): no storage write, the
         handle completes once the copy is in the arena. Cheap enough to take every step.
@@ -185,16 +173,20 @@ class Checkpointer:
         handle.blocked_s += time.perf_counter() - t0
         return handle
 
-    # -- restore --------------------------------------------------------------------------------
     def wait_pending(self) -> None:
         """Wait for every save started so far (failures are not raised here)."""
         self._saving.wait_pending()
 
+    # -- restore --------------------------------------------------------------------------------
     def restore(self, state: dict[str, Any]) -> int | None:
         """Load the newest verified checkpoint into ``state`` in place; return its step.
 
-        Returns None when there is no checkpoint at all; raises :class:`CheckpointCorrupt` when
-        checkpoints exist but none verifies (the message lists why each was rejected).
+        With a memory tier, the newest memory checkpoint the job's nodes hold whole, if it is not
+        older than storage's newest; else the newest checkpoint in storage that verifies (skipping
+        damaged ones with a warning). Returns None when there is no checkpoint at all; raises
+        :class:`~ftrt.errors.CheckpointCorrupt` when checkpoints exist but none verifies (the
+        message lists why each was rejected), :class:`~ftrt.errors.CheckpointUnavailable` when
+        storage cannot be read and memory cannot stand in.
         """
         t0 = time.perf_counter()
         step = self._restore(state)
@@ -203,94 +195,30 @@ class Checkpointer:
         return step
 
     def _restore(self, state: dict[str, Any]) -> int | None:
-        import torch.distributed.checkpoint as dcp
-
         self.wait_pending()
         _diag.mark("restore.pointer")
-        limit = self._group.broadcast(self.latest_limit() if self.rank == 0 and self.latest_limit is not None else None)
+        limit = self._group.broadcast(
+            self._latest_limit() if self.rank == 0 and self._latest_limit is not None else None)
         # Only rank 0 lists; with a pointer and a memory tier, storage is listed only if memory fails.
-        listing = _Listing(self.loc) if self.rank == 0 and (limit is None or self._memory is None) else None
+        listing = self._storage.listing() if limit is None or self._memory is None else None
         if self._memory is not None:
             # The memory tier first. The job's pointer names storage's newest trusted step, so storage's
             # listing is not waited for; without a pointer, a slow or unreachable storage holds the
             # restore up for LIST_TIMEOUT_S at most.
             newest = limit
             if newest is None:
-                steps, _ = self._listed(listing, LIST_TIMEOUT_S)
+                steps, _ = self._storage.listed(listing, LIST_TIMEOUT_S)
                 newest = max(steps or [], default=-1)
             got = self._memory.restore(state, newest_storage=newest)
             if got is not None:
                 self.last_restore_tier = "memory"
                 return got
-        if listing is None and self.rank == 0:
-            listing = _Listing(self.loc)
-        steps, storage_error = self._listed(listing, None)
-        if storage_error is not None:
-            raise CheckpointUnavailable(
-                f"Cannot restore: listing the checkpoints in {self.loc.url} failed ({brief(storage_error)}) "
-                f"and no memory checkpoint covers this job. Check that the storage is reachable; the "
-                f"checkpoints there are untouched."
-            ) from storage_error
-        rejected: list[str] = []
-        for step in reversed(steps):
-            folder = step_dir(step)
-            if limit is not None and step > limit:
-                rejected.append(f"step {step}: newer than the job's committed pointer (step {limit})")
-                continue
-            reason = self._verify(folder)
-            if reason:
-                log.warning("skipping checkpoint %s: %s", folder, reason)
-                rejected.append(f"step {step}: {reason}")
-                continue
-            target = st.to_dcp(state)
-            dcp.load(target, storage_reader=dcp_reader(self.loc, folder), process_group=self._pg,
-                     no_dist=not self.distributed)
-            st.apply(state, target)
-            log.info("restored checkpoint step %d from %s", step, self.loc.url)
+        if listing is None:
+            listing = self._storage.listing()
+        step = self._storage.restore(state, listing, limit)
+        if step is not None:
             self.last_restore_tier = "storage"
-            return step
-        if rejected:
-            raise CheckpointCorrupt(
-                f"No valid checkpoint under {self.loc.url}: " + "; ".join(rejected) + "."
-            )
-        return None
-
-    def _listed(self, listing: "_Listing | None", timeout: float | None
-                ) -> tuple[list[int] | None, BaseException | None]:
-        """Storage's steps as rank 0's ``listing`` found them (collective): (steps, None) or (None, the
-        error); a listing still running after ``timeout`` seconds is a TimeoutError for now."""
-        found = listing.wait(timeout) if listing is not None else None
-        if listing is not None:
-            _diag.mark("restore.listed")
-        steps, error = self._group.broadcast(found)
-        if error is not None:
-            log.warning("cannot list the checkpoints in %s (%s)", self.loc.url, brief(error))
-        return steps, error
-
-    def _verify(self, folder: str) -> str | None:
-        """None if the checkpoint verifies on every rank, else the first reason found."""
-        found: Any
-        if self.rank == 0:
-            try:
-                found = mf.read_manifest(self.loc, folder, self.key)
-            except CheckpointCorrupt as exc:
-                found = str(exc)
-        else:
-            found = None
-        found = self._group.broadcast(found)
-        if isinstance(found, str):
-            return found
-        names = sorted(found.files)
-        share = names[self.rank::self.world]
-        try:
-            mf.verify_files(self.loc, folder, found, share)
-            mine = None
-        except CheckpointCorrupt as exc:
-            mine = str(exc)
-        except Exception as exc:
-            mine = f"could not read files: {brief(exc)}"
-        reasons = [r for r in self._group.all_gather(mine) if r]
-        return reasons[0] if reasons else None
+        return step
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -316,26 +244,3 @@ def _report_to_agent(message: dict) -> None:
 
 
 __all__ = ["Checkpointer", "SaveHandle"]
-
-
-class _Listing:
-    """Storage's steps, listed on a daemon thread from construction: a restore may try the memory tier
-    while a slow storage answers, and waits for the same listing later if it needs it."""
-
-    def __init__(self, loc: Location) -> None:
-        self._done = threading.Event()
-        self._found: tuple[list[int] | None, BaseException | None] = (None, None)
-        threading.Thread(target=self._run, args=(loc,), name="ftrt-list-checkpoints", daemon=True).start()
-
-    def _run(self, loc: Location) -> None:
-        try:
-            self._found = (list_steps(loc), None)
-        except Exception as exc:  # storage down: the memory tier may not need it
-            self._found = (None, exc)
-        self._done.set()
-
-    def wait(self, timeout: float | None) -> tuple[list[int] | None, BaseException | None]:
-        """(steps, None), (None, the listing's error), or (None, TimeoutError) while it still runs."""
-        if not self._done.wait(timeout):
-            return None, TimeoutError(f"the storage did not answer in {timeout:g} s")
-        return self._found
