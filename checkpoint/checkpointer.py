@@ -79,8 +79,10 @@ class Checkpointer:
             ``$FTRT_CHECKPOINT_KEY``).
         report: where this rank's checkpoint reports go, as dicts (``mem``: a memory checkpoint is
             complete, which the agent replicates; ``ckpt``: rank 0 committed one to storage;
-            ``restore``: tier, step and seconds). Default: this worker's agent under ``ftrt
-            launch`` (:meth:`ftrt.runtime.Runtime.report`), nowhere elsewhere.
+            ``restore``: tier, step and seconds). Default: nowhere. ``rt.checkpointer`` passes
+            :meth:`ftrt.runtime.Runtime.report` (this worker's agent under ``ftrt launch``); a
+            checkpointer built by hand with ``mem_dir`` under ``ftrt launch`` needs it too, or
+            the agent never hears of its memory checkpoints and does not replicate them.
     """
 
     def __init__(
@@ -111,7 +113,7 @@ class Checkpointer:
         self.round_no = round_no
         self.mem_dir = mem_dir
         self._latest_limit = latest_limit
-        self._report = report or _report_to_agent
+        self._report = report or _no_report
         self._group = CheckpointGroup(process_group)
         self.distributed = self._group.distributed
         self.rank, self.world = self._group.rank, self._group.world
@@ -236,11 +238,8 @@ class Checkpointer:
         self.close()
 
 
-def _report_to_agent(message: dict) -> None:
-    """The default report: to this worker's agent under ``ftrt launch`` (a no-op elsewhere)."""
-    from ftrt.runtime import init
-
-    init().report(message)
+def _no_report(message: dict) -> None:
+    """The default ``report``: nowhere."""
 
 
 __all__ = ["Checkpointer", "SaveHandle"]
