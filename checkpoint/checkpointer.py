@@ -1,57 +1,38 @@
 """The :class:`Checkpointer`: sharded async saves with atomic checksummed commits, verified restore.
 
-Save = stage, then persist:
+The public face of the checkpoint service. It builds its parts once, when constructed, and each
+call goes to the one that does the work:
 
-1. ``save(step, state)`` resolves ``state`` to DCP's dict (references, no copy), deep-copies the
-   plain Python values, takes a staging slot (waiting if all are busy), queues the tensor copy on
-   the staging thread and returns a :class:`SaveHandle` at once.
-2. The staging thread copies tensors into the slot's reusable buffers; ``handle.wait_staged()``
-   returns after that, and from then on the caller may change its tensors (call it before
-   ``optimizer.step()``).
-3. The persist thread writes the staged copy with ``dcp.save`` into ``step-<N>/`` on a process
-   group of its own (gloo), so its collectives never meet the training loop's. Then every rank
-   checksums the files it wrote, rank 0 gathers the sizes and checksums and writes
-   ``manifest.json`` last: the checkpoint exists from that moment on. Storage errors are retried
-   (``retries`` times, backing off); a save that still fails raises from ``handle.wait()``,
-   leaves no manifest, and does not stop training.
-4. Rank 0 then deletes checkpoints beyond the newest ``keep`` and abandoned folders, on a thread
-   of its own.
+- :mod:`ftrt.checkpoint.saving`: ``save`` stages the state (``handle.wait_staged()``: the caller
+  may change its tensors again) and persists it with DCP on a background thread, retrying;
+- :mod:`ftrt.checkpoint.commit`: every rank's files become a checkpoint when rank 0 writes the
+  manifest (and, under ``ftrt launch``, moves the job's pointer), old checkpoints are deleted;
+- :mod:`ftrt.checkpoint.memrestore` and :mod:`ftrt.checkpoint.storagerestore`: ``restore`` tries
+  the memory tier first (when there is one), then storage;
+- :mod:`ftrt.checkpoint.group`: the ranks and the collectives they share.
 
-``restore(state)`` takes the newest checkpoint whose manifest is valid and whose files all match
-their sizes and checksums (ranks verify disjoint shares in parallel), skipping damaged ones with a
-warning, and loads it in place with ``dcp.load`` (which reshards DTensors to the current world).
+Reports (``mem``, ``ckpt``, ``restore``) go to the ``report`` callback alone; ``rt.checkpointer``
+passes its worker's (:meth:`ftrt.runtime.Runtime.checkpointer`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
-import os
-import threading
 import time
 import warnings
 from typing import Any, Callable
 
-import torch.distributed as dist
-
 from ftrt import _diag, reports
-from ftrt.checkpoint import manifest as mf
-from ftrt.checkpoint.signing import CheckpointKey
 from ftrt.checkpoint import memtier
-from ftrt.checkpoint import state as st
-from ftrt.checkpoint.skeleton import Unencodable
+from ftrt.checkpoint.commit import Committer
+from ftrt.checkpoint.group import CheckpointGroup
+from ftrt.checkpoint.memrestore import MemoryRestore
+from ftrt.checkpoint.saving import SaveHandle, SavePipeline, background_pool
+from ftrt.checkpoint.signing import CheckpointKey
 from ftrt.checkpoint.staging import Stager
-from ftrt.checkpoint.storage import (
-    MANIFEST,
-    Location,
-    dcp_reader,
-    dcp_writer,
-    list_steps,
-    parse_url,
-    step_dir,
-    write_bytes,
-)
-from ftrt.errors import CheckpointCorrupt, CheckpointSaveFailed, CheckpointUnavailable, ConfigError, RoundChanged
+from ftrt.checkpoint.storage import Location, parse_url
+from ftrt.checkpoint.storagerestore import StorageRestore
+from ftrt.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -63,70 +44,8 @@ tries the memory tier (a listing that answers later is waited for only if memory
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-class SaveHandle:
-    """The progress of one save."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self._staged = threading.Event()
-        self._future: cf.Future | None = None
-        self.stage_s = 0.0
-        self.persist_s = 0.0
-        self.blocked_s = 0.0
-        """Time the caller's thread spent in ``save()`` and ``wait_staged()`` for this save."""
-        self.background_cpu_s = 0.0
-        """CPU time the checkpointer's own staging and persisting threads spent on this save."""
-        self.persisting = False  # writes to storage (not a memory checkpoint only)
-        self.skipped = False  # skip_if_busy skipped it: nothing was saved
-
-    @property
-    def cost_s(self) -> float:
-        """What this save cost the training loop: the time it blocked the caller plus the CPU time
-        of the background work (on a host whose cores are all busy training, that work takes
-        them from training; where cores are idle it is an over-estimate). Final once
-        :meth:`settled`."""
-        return self.blocked_s + self.background_cpu_s
-
-    def settled(self) -> bool:
-        """Whether :attr:`cost_s` is final: staged (a memory-only save) or done (a storage save)."""
-        return self.done() if self.persisting else self._staged.is_set()
-
-    @classmethod
-    def skipped_at(cls, step: int) -> "SaveHandle":
-        """A handle for a save that ``skip_if_busy`` skipped: done, nothing saved."""
-        h = cls(step)
-        h.skipped = True
-        h._staged.set()
-        h._future = cf.Future()
-        h._future.set_result(None)
-        return h
-
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """Return once the state has been copied; the caller may then change its tensors."""
-        t0 = time.perf_counter()
-        ok = self._staged.wait(timeout)
-        self.blocked_s += time.perf_counter() - t0
-        if not ok:
-            raise TimeoutError(f"Staging of step {self.step} did not finish within {timeout} s.")
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Return once the checkpoint is committed; raise :class:`CheckpointSaveFailed` if it failed."""
-        assert self._future is not None
-        self._future.result(timeout)
-
-    def done(self) -> bool:
-        return self._future is not None and self._future.done()
-
-    @property
-    def error(self) -> BaseException | None:
-        """The failure, once done; None while running or after success."""
-        if self._future is None or not self._future.done():
-            return None
-        return self._future.exception()
-
-
 class Checkpointer:
-    """Sharded async checkpoints under one URL. See the module docstring.
+    """Sharded async checkpoints under one URL, in storage and (with ``mem_dir``) in node memory.
 
     Args:
         url: local path, ``file://``, ``s3://bucket/prefix`` or ``memory://name``.
@@ -140,6 +59,7 @@ class Checkpointer:
             written, and one still being persisted to storage, so that memory checkpoints every
             step never wait for (or skip because of) a storage save.
         retries: attempts after the first when persisting fails.
+        retry_backoff: seconds before the first retry, doubled for each next one.
         thread_count: DCP writer threads per rank.
         on_commit: called as ``on_commit(step)`` on rank 0 after a manifest is written (the
             runtime uses it to move the job's ``latest`` pointer). If it raises
@@ -148,6 +68,7 @@ class Checkpointer:
             :class:`~ftrt.errors.RoundChanged` stops the commit.
         latest_limit: called at restore; returns the highest step allowed (the job's pointer),
             or None for no limit.
+        round_no: the rendezvous round this worker runs in, recorded in every checkpoint.
         persist_nice: niceness added to the persistence thread (Linux; 0 leaves it alone).
         mem_dir: the node's memory-tier directory (under ``ftrt launch``: ``$FTRT_MEM_DIR``, kept
             by the agent). With it, every save is also a memory checkpoint and restore prefers the
@@ -158,8 +79,10 @@ class Checkpointer:
             ``$FTRT_CHECKPOINT_KEY``).
         report: where this rank's checkpoint reports go, as dicts (``mem``: a memory checkpoint is
             complete, which the agent replicates; ``ckpt``: rank 0 committed one to storage;
-            ``restore``: tier, step and seconds). Default: this worker's agent under ``ftrt
-            launch`` (:meth:`ftrt.runtime.Runtime.report`), nowhere elsewhere.
+            ``restore``: tier, step and seconds). Default: nowhere. ``rt.checkpointer`` passes
+            :meth:`ftrt.runtime.Runtime.report` (this worker's agent under ``ftrt launch``); a
+            checkpointer built by hand with ``mem_dir`` under ``ftrt launch`` needs it too, or
+            the agent never hears of its memory checkpoints and does not replicate them.
     """
 
     def __init__(
@@ -186,84 +109,56 @@ class Checkpointer:
             raise ConfigError(f"keep={keep}: a checkpointer must keep at least 1 checkpoint.")
         self.loc: Location = parse_url(url, storage_options)
         self.keep = keep
-        self.retries = retries
-        self.retry_backoff = retry_backoff
-        self.thread_count = thread_count
-        self.on_commit = on_commit
-        self.pre_commit = pre_commit
-        self.latest_limit = latest_limit
-        self.round_no = round_no
-        self._report = report or _report_to_agent
         self.key = key
-        self._checksum = "sha256" if key is not None else "crc32"
-        self.distributed = dist.is_available() and dist.is_initialized()
-        if self.distributed:
-            self.rank = dist.get_rank()
-            self.world = dist.get_world_size(process_group) if process_group else dist.get_world_size()
-            # A group of its own: checkpoint collectives run on a background thread and must never
-            # interleave with the training loop's.
-            ranks = dist.get_process_group_ranks(process_group) if process_group else None
-            self._pg = dist.new_group(ranks=ranks, backend="gloo")
-            # Another for the training thread's one collective (skip_if_busy's agreement).
-            self._vote_pg = dist.new_group(ranks=ranks, backend="gloo")
-        else:
-            self.rank, self.world, self._pg, self._vote_pg = 0, 1, None, None
-        self._stager = Stager(staging_slots or (3 if mem_dir else 2))
-        self._state_dicts = st.StateDicts()  # fast to_dcp for every save
-        self._stage_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftrt-ckpt-stage")
-        # Persistence and deletion are background work: their threads run at a lower CPU priority
-        # so that on a busy host they take what the training loop leaves.
-        self._persist_pool = cf.ThreadPoolExecutor(
-            1, thread_name_prefix="ftrt-ckpt-persist", initializer=_lower_priority, initargs=(persist_nice,)
-        )
-        self._delete_pool = cf.ThreadPoolExecutor(
-            1, thread_name_prefix="ftrt-ckpt-delete", initializer=_lower_priority, initargs=(persist_nice,)
-        )
-        self._pending: list[SaveHandle] = []
-        self._prewarmed = False
+        self.round_no = round_no
         self.mem_dir = mem_dir
+        self._latest_limit = latest_limit
+        self._report = report or _no_report
+        self._group = CheckpointGroup(process_group)
+        self.distributed = self._group.distributed
+        self.rank, self.world = self._group.rank, self._group.world
         self._arena = memtier.Arena(mem_dir, self.rank) if mem_dir else None
+        self._stager = Stager(staging_slots or (3 if mem_dir else 2))
+        # Retention and pre-faulting staging slots: background work at a lower CPU priority.
+        self._delete_pool = background_pool("ftrt-ckpt-delete", persist_nice)
+        self._committer = Committer(self._group, self.loc, keep=keep, key=key, round_no=round_no,
+                                    pre_commit=pre_commit, on_commit=on_commit, latest_limit=latest_limit,
+                                    report=self._report, background=self._delete_pool)
+        self._saving = SavePipeline(self._group, self.loc, stager=self._stager, arena=self._arena,
+                                    committer=self._committer, background=self._delete_pool, report=self._report,
+                                    round_no=round_no, retries=retries, retry_backoff=retry_backoff,
+                                    thread_count=thread_count, persist_nice=persist_nice)
+        self._memory = MemoryRestore(self._group, mem_dir) if mem_dir else None
+        self._storage = StorageRestore(self._group, self.loc, key)
         self.last_restore_tier: str | None = None
+        """The tier the last successful restore loaded from (``"memory"`` or ``"storage"``), or None."""
         self._closed = False
-        self.last_committed: int | None = None
-        self.skipped_saves = 0  # saves skip_if_busy turned into memory-only ones or skipped
         if self.rank == 0 and self.loc.is_local:
             self.loc.fs.makedirs(self.loc.root, exist_ok=True)
 
-    # -- collectives on our own group ------------------------------------------------------------
     @property
     def has_memory_tier(self) -> bool:
         """True when saves also go to the node's memory tier (``save(..., persist=False)`` works)."""
         return self._arena is not None
 
-    def _any_rank(self, *flags: bool) -> tuple[bool, ...]:
-        """Each flag, true on every rank when it is true on any (one collective on the vote group)."""
-        if not self.distributed or _diag.off("vote"):
-            return tuple(flags)
-        import torch
+    @property
+    def skipped_saves(self) -> int:
+        """Saves ``skip_if_busy`` turned into memory-only ones or skipped."""
+        return self._saving.skipped_saves
 
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._vote_pg)
-        return tuple(bool(v) for v in t.tolist())
-
-    def _all_gather(self, obj: Any) -> list[Any]:
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self._pg)
-        return out
-
-    def _broadcast(self, obj: Any) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self._pg, 0), group=self._pg)
-        return box[0]
+    @property
+    def last_committed(self) -> int | None:
+        """The step this process last saw committed to storage, or None."""
+        return self._committer.last_committed
 
     # -- save -----------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], *, persist: bool = True,
              skip_if_busy: bool = False) -> SaveHandle:
-        """Start a save of ``state`` as ``step``; returns at once (see the module docstring).
+        """Start a save of ``state`` as ``step``; returns at once (:mod:`ftrt.checkpoint.saving`).
+
+        ``handle.wait_staged()`` returns once the state is copied (call it before
+        ``optimizer.step()``); ``handle.wait()`` once it is committed, raising
+        :class:`~ftrt.errors.CheckpointSaveFailed` if it could not be (training can go on).
 
         ``persist=False`` makes a memory checkpoint only (needs ``mem_dir``): no storage write, the
         handle completes once the copy is in the arena. Cheap enough to take every step.
@@ -276,266 +171,24 @@ class Checkpointer:
         agree with one small collective, so all of them skip or none does.
         """
         t0 = time.perf_counter()
-        handle = self._save(step, state, persist, skip_if_busy)
+        handle = self._saving.save(step, state, persist, skip_if_busy)
         handle.blocked_s += time.perf_counter() - t0
         return handle
 
-    def _save(self, step: int, state: dict[str, Any], persist: bool, skip_if_busy: bool) -> SaveHandle:
-        if self._closed:
-            raise ConfigError("This Checkpointer is closed; create a new one to save again.")
-        if not isinstance(step, int) or step < 0:
-            raise ConfigError(f"The checkpoint step must be an int >= 0, got {step!r}.")
-        if not persist and self._arena is None:
-            raise ConfigError("save(persist=False) needs a memory tier (mem_dir, set under ftrt launch).")
-        avoid = self._arena.current_slot() if self._arena is not None else None
-        if skip_if_busy:
-            writing = persist and any(h.persisting and not h.done() for h in self._pending)
-            # Also for memory-only saves: the collective is a barrier, so no rank's copy of this
-            # step exists before every rank got here (a trainer's record of the step written
-            # before saving, e.g. ftrt.grpo's metrics line, can then never be missing for a step
-            # restore resumes after; the chaos ledger caught that once when it was skipped).
-            writing, no_slot = self._any_rank(writing, not self._stager.has_free(avoid))
-            if writing:
-                log.info("checkpoint step %d: an earlier save is still writing to storage; %s", step,
-                         "memory copy only" if self._arena is not None else "skipped")
-                self.skipped_saves += 1
-                if self._arena is None:
-                    return SaveHandle.skipped_at(step)
-                persist = False
-            if not persist and no_slot:  # every other slot holds a save still being written
-                log.info("checkpoint step %d: no free memory slot while storage is busy; skipped", step)
-                self.skipped_saves += 1
-                return SaveHandle.skipped_at(step)
-        sd = self._state_dicts.to_dcp(state)
-        if self._arena is None:
-            sd = self._stager.snapshot_plain(sd)
-        else:
-            # Flattening rebuilds every non-tensor leaf as JSON values, so it is also the snapshot
-            # of them that a save needs (the caller may change them right after); and it runs
-            # here, not in the staging thread, since a state it cannot describe is the caller's error.
-            try:
-                sd = memtier.flatten(sd)
-            except Unencodable as exc:
-                raise ConfigError(str(exc)) from None
-        slot = self._stager.acquire(avoid=avoid)
-        handle = SaveHandle(step)
-        handle.persisting = persist
-        stage = self._stage if self._arena is None else self._stage_memory
-        staged = self._stage_pool.submit(stage, slot, sd, handle, step)
-        if not self._prewarmed:
-            self._prewarmed = True
-            staged.add_done_callback(lambda _: self._delete_pool.submit(self._stager.prewarm))
-        if persist:
-            handle._future = self._persist_pool.submit(self._persist, step, slot, staged, handle)
-        else:
-            handle._future = self._stage_pool.submit(self._memory_only_done, slot, staged)
-        self._pending = [h for h in self._pending if not h.done()] + [handle]
-        return handle
-
-    def _stage(self, slot: int, sd: Any, handle: SaveHandle, step: int) -> Any:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            return self._stager.stage(slot, sd)
-        finally:
-            handle.stage_s = time.perf_counter() - t0
-            handle.background_cpu_s += time.thread_time() - c0
-            handle._staged.set()
-
-    def _stage_memory(self, slot: int, flattened: tuple[dict[str, Any], Any], handle: SaveHandle, step: int) -> Any:
-        """Stage a flattened state (:func:`memtier.flatten`) into the arena's slot, then make it
-        the rank's current memory checkpoint."""
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            flat, skeleton = flattened
-            entries, size = memtier.layout(flat)
-            bufs = self._arena.buffers(slot, entries, size)
-            staged: dict[str, Any] = {}
-            for key, t in flat.items():
-                local = t.to_local() if memtier._is_dtensor(t) else t
-                bufs[key].copy_(local.detach(), non_blocking=local.is_cuda)
-                staged[key] = bufs[key]
-            if any(t.is_cuda for t in flat.values()):
-                import torch
-
-                torch.cuda.synchronize()
-            self._arena.commit(slot=slot, step=step, round_no=self.round_no, world=self.world,
-                               entries=entries, size=size, skeleton=skeleton)
-            self._report(reports.memory_saved(self.rank, step, size, time.perf_counter() - t0))
-            for key, t in flat.items():
-                if memtier._is_dtensor(t):
-                    staged[key] = type(t).from_local(staged[key], t.device_mesh, t.placements, run_check=False,
-                                                     shape=t.shape, stride=t.stride())
-            return memtier.unflatten(skeleton, staged)
-        finally:
-            handle.stage_s = time.perf_counter() - t0
-            handle.background_cpu_s += time.thread_time() - c0
-            handle._staged.set()
-
-    def _memory_only_done(self, slot: int, staged: cf.Future) -> None:
-        try:
-            staged.result()
-        finally:
-            self._stager.release(slot)
-
-    def _persist(self, step: int, slot: int, staged: cf.Future, handle: SaveHandle) -> None:
-        t0, c0 = time.perf_counter(), None
-        try:
-            sd = staged.result()
-            c0 = time.thread_time()  # after the staging wait: only this save's own work counts
-            folder = step_dir(step)
-            already = self._broadcast(self._committed_or_unknown(folder, step) if self.rank == 0 else None)
-            if already:
-                log.info("checkpoint step %d is already committed; not saving it again", step)
-                return
-            error: BaseException | None = None
-            attempts = 0
-            for attempt in range(self.retries + 1):
-                attempts = attempt + 1
-                try:
-                    written = self._write(folder, step, sd)
-                    error = None
-                    break
-                except RoundChanged as exc:  # the job moved on: retrying cannot help
-                    error = exc
-                    break
-                except Exception as exc:  # storage errors come in many types (OSError, botocore, DCP's)
-                    error = exc
-                    if attempt < self.retries:
-                        delay = self.retry_backoff * (2 ** attempt)
-                        log.warning("checkpoint step %d: attempt %d failed (%s); retrying in %.1f s",
-                                    step, attempt + 1, _short(exc), delay)
-                        time.sleep(delay)
-            if error is not None:
-                raise CheckpointSaveFailed(
-                    f"Checkpoint step {step} was not saved to {self.loc.url} after {attempts} "
-                    f"attempt(s): {_short(error)}. Nothing was committed; training can go on."
-                ) from error
-            self.last_committed = step
-            if self.rank == 0:
-                self._delete_pool.submit(self._retain)
-                self._report(reports.committed("storage", 0, step, written, time.perf_counter() - t0))
-        finally:
-            self._stager.release(slot)
-            handle.persist_s = time.perf_counter() - t0
-            if c0 is not None:
-                handle.background_cpu_s += time.thread_time() - c0
-
-    def _committed(self, folder: str) -> bool:
-        """Whether ``folder`` holds a valid manifest. Storage errors propagate: "cannot tell" must
-        never read as "not committed" where that leads to deletion."""
-        try:
-            mf.read_manifest(self.loc, folder, self.key)
-            return True
-        except CheckpointCorrupt:
-            return False
-
-    def _valid_unsigned(self, folder: str) -> bool:
-        """Whether ``folder`` holds a manifest that is valid except for its signature (written
-        without this job's key: untrusted, and kept)."""
-        try:
-            mf.read_manifest(self.loc, folder)
-            return True
-        except CheckpointCorrupt:
-            return False
-
-    def _committed_or_unknown(self, folder: str, step: int) -> bool:
-        try:
-            if not self._committed(folder):
-                return False
-            # Above the job's pointer a manifest is not trusted (a stale round may have left it).
-            limit = self.latest_limit() if self.latest_limit is not None else None
-            return limit is None or step <= limit
-        except Exception:  # storage or etcd down: the save attempt below reports it
-            return False
-
-    def _write(self, folder: str, step: int, sd: Any) -> int:
-        """One attempt: DCP save, checksums, manifest (rank 0), all ranks agree on the outcome.
-        Returns the checkpoint's bytes on rank 0 (0 on the others)."""
-        import torch.distributed.checkpoint as dcp
-
-        cleared = None
-        if self.rank == 0:
-            try:
-                if self.loc.fs.exists(self.loc.path(folder)):
-                    self.loc.fs.rm(self.loc.path(folder), recursive=True)  # leftovers of a failed attempt
-            except Exception as exc:
-                cleared = f"rank 0 could not clear {folder}: {_short(exc)}"
-        cleared = self._broadcast(cleared)  # every rank learns the outcome: no one waits alone
-        if cleared:
-            raise OSError(cleared)
-        writer = dcp_writer(self.loc, folder, self.thread_count)
-        dcp.save(sd, storage_writer=writer, process_group=self._pg, no_dist=not self.distributed)
-        mine: dict[str, mf.FileEntry] | str
-        try:
-            names = [p.rsplit("/", 1)[-1] for p in self.loc.fs.ls(self.loc.path(folder), detail=False)]
-            own = [n for n in names if n.startswith(f"__{self.rank}_") or (self.rank == 0 and n == ".metadata")]
-            mine = {n: mf.checksum_file(self.loc, self.loc.path(folder, n), self._checksum) for n in own}
-        except Exception as exc:
-            mine = f"rank {self.rank}: {_short(exc)}"
-        parts = self._all_gather(mine)
-        failures = [p for p in parts if isinstance(p, str)]
-        if failures:
-            raise OSError("; ".join(failures))
-        outcome = None
-        if self.rank == 0:
-            files: dict[str, mf.FileEntry] = {}
-            for p in parts:
-                files.update(p)
-            m = mf.Manifest(step=step, world_size=self.world, files=files, round=self.round_no, time=time.time(),
-                            checksum=self._checksum)
-            if self.key is not None:
-                m = m.signed(self.key)
-            manifest_path = self.loc.path(folder, MANIFEST)
-            try:
-                if self.pre_commit is not None:
-                    self.pre_commit()
-                write_bytes(self.loc, manifest_path, m.to_json())
-                if self.on_commit is not None:
-                    try:
-                        self.on_commit(step)
-                    except RoundChanged:
-                        self.loc.fs.rm(manifest_path)  # withdraw: a stale round's checkpoint must not exist
-                        raise
-            except RoundChanged as exc:
-                outcome = ("round", str(exc))
-            except Exception as exc:
-                outcome = ("error", f"rank 0 could not commit: {_short(exc)}")
-        outcome = self._broadcast(outcome)
-        if outcome:
-            kind, message = outcome
-            raise RoundChanged(message) if kind == "round" else OSError(message)
-        return sum(e.size for e in files.values()) if self.rank == 0 else 0
-
-    def _retain(self) -> None:
-        """Delete all but the newest ``keep`` committed checkpoints, and dead uncommitted folders."""
-        try:
-            steps = list_steps(self.loc)
-            committed = [s for s in steps if self._committed(step_dir(s))]
-            keep = set(committed[-self.keep:])
-            newest = committed[-1] if committed else -1
-            for s in steps:
-                if s in keep or s > newest:
-                    continue  # never the kept ones, nor a save that may still be in flight
-                if self.key is not None and self._valid_unsigned(step_dir(s)):
-                    continue  # not trusted under this key, but not ours to delete either
-                self.loc.fs.rm(self.loc.path(step_dir(s)), recursive=True)
-                log.debug("deleted checkpoint step %d", s)
-        except Exception as exc:
-            log.warning("checkpoint retention failed (will retry after the next save): %s", _short(exc))
-
-    # -- restore --------------------------------------------------------------------------------
     def wait_pending(self) -> None:
         """Wait for every save started so far (failures are not raised here)."""
-        for h in self._pending:
-            if h._future is not None:
-                cf.wait([h._future])
-        self._pending = []
+        self._saving.wait_pending()
 
+    # -- restore --------------------------------------------------------------------------------
     def restore(self, state: dict[str, Any]) -> int | None:
         """Load the newest verified checkpoint into ``state`` in place; return its step.
 
-        Returns None when there is no checkpoint at all; raises :class:`CheckpointCorrupt` when
-        checkpoints exist but none verifies (the message lists why each was rejected).
+        With a memory tier, the newest memory checkpoint the job's nodes hold whole, if it is not
+        older than storage's newest; else the newest checkpoint in storage that verifies (skipping
+        damaged ones with a warning). Returns None when there is no checkpoint at all; raises
+        :class:`~ftrt.errors.CheckpointCorrupt` when checkpoints exist but none verifies (the
+        message lists why each was rejected), :class:`~ftrt.errors.CheckpointUnavailable` when
+        storage cannot be read and memory cannot stand in.
         """
         t0 = time.perf_counter()
         step = self._restore(state)
@@ -544,150 +197,30 @@ class Checkpointer:
         return step
 
     def _restore(self, state: dict[str, Any]) -> int | None:
-        import torch.distributed.checkpoint as dcp
-
         self.wait_pending()
         _diag.mark("restore.pointer")
-        limit = self._broadcast(self.latest_limit() if self.rank == 0 and self.latest_limit is not None else None)
+        limit = self._group.broadcast(
+            self._latest_limit() if self.rank == 0 and self._latest_limit is not None else None)
         # Only rank 0 lists; with a pointer and a memory tier, storage is listed only if memory fails.
-        listing = _Listing(self.loc) if self.rank == 0 and (limit is None or self._arena is None) else None
-        if self._arena is not None:
+        listing = self._storage.listing() if limit is None or self._memory is None else None
+        if self._memory is not None:
             # The memory tier first. The job's pointer names storage's newest trusted step, so storage's
             # listing is not waited for; without a pointer, a slow or unreachable storage holds the
             # restore up for LIST_TIMEOUT_S at most.
             newest = limit
             if newest is None:
-                steps, _ = self._listed(listing, LIST_TIMEOUT_S)
+                steps, _ = self._storage.listed(listing, LIST_TIMEOUT_S)
                 newest = max(steps or [], default=-1)
-            got = self._restore_memory(state, newest_storage=newest)
+            got = self._memory.restore(state, newest_storage=newest)
             if got is not None:
+                self.last_restore_tier = "memory"
                 return got
-        if listing is None and self.rank == 0:
-            listing = _Listing(self.loc)
-        steps, storage_error = self._listed(listing, None)
-        if storage_error is not None:
-            raise CheckpointUnavailable(
-                f"Cannot restore: listing the checkpoints in {self.loc.url} failed ({_short(storage_error)}) "
-                f"and no memory checkpoint covers this job. Check that the storage is reachable; the "
-                f"checkpoints there are untouched."
-            ) from storage_error
-        rejected: list[str] = []
-        for step in reversed(steps):
-            folder = step_dir(step)
-            if limit is not None and step > limit:
-                rejected.append(f"step {step}: newer than the job's committed pointer (step {limit})")
-                continue
-            reason = self._verify(folder)
-            if reason:
-                log.warning("skipping checkpoint %s: %s", folder, reason)
-                rejected.append(f"step {step}: {reason}")
-                continue
-            target = st.to_dcp(state)
-            dcp.load(target, storage_reader=dcp_reader(self.loc, folder), process_group=self._pg,
-                     no_dist=not self.distributed)
-            st.apply(state, target)
-            log.info("restored checkpoint step %d from %s", step, self.loc.url)
+        if listing is None:
+            listing = self._storage.listing()
+        step = self._storage.restore(state, listing, limit)
+        if step is not None:
             self.last_restore_tier = "storage"
-            return step
-        if rejected:
-            raise CheckpointCorrupt(
-                f"No valid checkpoint under {self.loc.url}: " + "; ".join(rejected) + "."
-            )
-        return None
-
-    def _listed(self, listing: "_Listing | None", timeout: float | None
-                ) -> tuple[list[int] | None, BaseException | None]:
-        """Storage's steps as rank 0's ``listing`` found them (collective): (steps, None) or (None, the
-        error); a listing still running after ``timeout`` seconds is a TimeoutError for now."""
-        found = listing.wait(timeout) if listing is not None else None
-        if listing is not None:
-            _diag.mark("restore.listed")
-        steps, error = self._broadcast(found)
-        if error is not None:
-            log.warning("cannot list the checkpoints in %s (%s)", self.loc.url, _short(error))
-        return steps, error
-
-    def _restore_memory(self, state: dict[str, Any], newest_storage: int) -> int | None:
-        """Restore from the newest complete memory checkpoint held by this job's nodes, if it is at
-        least as new as storage's. Collective; every rank returns the same answer."""
-        import torch
-
-        mine = memtier.scan(self.mem_dir)
-        held = self._all_gather([{k: v for k, v in m.items() if k != "file"} for m in mine])
-        pick = memtier.choose(held)
-        if pick is None or pick[0] < newest_storage:
-            (log.warning if any(held) else log.debug)(
-                "memory tier not used: %s (storage's newest: step %s; the nodes hold %s)",
-                "no step is held whole" if pick is None else f"its newest whole step {pick[0]} is older",
-                newest_storage if newest_storage >= 0 else "none", memtier.describe(held))
-            return None
-        step, rnd, world, holders = pick
-        _diag.mark("restore.memory.chosen")
-        indexes = self._all_gather({m["rank"]: m for m in mine if (m["step"], m["round"], m["world"]) == (step, rnd, world)})
-        old = {r: indexes[h][r] for r, h in holders.items()}
-        target = st.to_dcp(state)
-        t_flat, _ = memtier.flatten(target)
-        local = {r: m for r, m in indexes[self.rank].items()}
-        arenas = {r: torch.from_file(m["file"], shared=False, size=m["size"], dtype=torch.uint8) for r, m in local.items()}
-        try:
-            need = memtier.needed_ranks(t_flat, old, set(local))
-            error = None
-        except memtier.Unsupported as exc:
-            need, error = set(), str(exc)
-        needs = self._all_gather((sorted(need), error))
-        errors = [e for _, e in needs if e]
-        if errors:
-            log.warning("memory tier cannot restore this state (%s); using storage", errors[0])
-            return None
-        for r in sorted(holders):
-            holder = holders[r]
-            if not any(r in n and i != holder for i, (n, _) in enumerate(needs)):
-                continue
-            buf = arenas[r] if self.rank == holder else torch.empty(old[r]["size"], dtype=torch.uint8)
-            dist.broadcast(buf, src=dist.get_global_rank(self._pg, holder), group=self._pg)
-            if r in needs[self.rank][0]:
-                arenas[r] = buf
-        _diag.mark("restore.memory.fetched")
-        try:
-            memtier.fill(t_flat, old, arenas, files={r: m["file"] for r, m in local.items()})
-            error = None
-        except memtier.Unsupported as exc:
-            error = str(exc)
-        errors = [e for e in self._all_gather(error) if e]
-        if errors:
-            log.warning("memory tier could not restore (%s); using storage", errors[0])
-            return None
-        _diag.mark("restore.memory.filled")
-        loaded = memtier.unflatten(old[min(old)]["skeleton"], t_flat)
-        st.apply(state, loaded)
-        log.info("restored checkpoint step %d from memory (saved by %d ranks in round %d)", step, world, rnd)
-        self.last_restore_tier = "memory"
         return step
-
-    def _verify(self, folder: str) -> str | None:
-        """None if the checkpoint verifies on every rank, else the first reason found."""
-        found: Any
-        if self.rank == 0:
-            try:
-                found = mf.read_manifest(self.loc, folder, self.key)
-            except CheckpointCorrupt as exc:
-                found = str(exc)
-        else:
-            found = None
-        found = self._broadcast(found)
-        if isinstance(found, str):
-            return found
-        names = sorted(found.files)
-        share = names[self.rank::self.world]
-        try:
-            mf.verify_files(self.loc, folder, found, share)
-            mine = None
-        except CheckpointCorrupt as exc:
-            mine = str(exc)
-        except Exception as exc:
-            mine = f"could not read files: {_short(exc)}"
-        reasons = [r for r in self._all_gather(mine) if r]
-        return reasons[0] if reasons else None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -695,9 +228,7 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        self.wait_pending()
-        self._stage_pool.shutdown(wait=True)
-        self._persist_pool.shutdown(wait=True)
+        self._saving.close()
         self._delete_pool.shutdown(wait=True)
 
     def __enter__(self) -> "Checkpointer":
@@ -707,51 +238,8 @@ class Checkpointer:
         self.close()
 
 
-def _report_to_agent(message: dict) -> None:
-    """The default report: to this worker's agent under ``ftrt launch`` (a no-op elsewhere)."""
-    from ftrt.runtime import init
-
-    init().report(message)
-
-
-def _lower_priority(nice: int) -> None:
-    """Raise the calling thread's niceness (Linux threads are tasks; other threads keep theirs)."""
-    if nice <= 0:
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-    except (AttributeError, OSError):
-        pass
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first[:300]}"
+def _no_report(message: dict) -> None:
+    """The default ``report``: nowhere."""
 
 
 __all__ = ["Checkpointer", "SaveHandle"]
-
-
-class _Listing:
-    """Storage's steps, listed on a daemon thread from construction: a restore may try the memory tier
-    while a slow storage answers, and waits for the same listing later if it needs it."""
-
-    def __init__(self, loc: Location) -> None:
-        self._done = threading.Event()
-        self._found: tuple[list[int] | None, BaseException | None] = (None, None)
-        threading.Thread(target=self._run, args=(loc,), name="ftrt-list-checkpoints", daemon=True).start()
-
-    def _run(self, loc: Location) -> None:
-        try:
-            self._found = (list_steps(loc), None)
-        except Exception as exc:  # storage down: the memory tier may not need it
-            self._found = (None, exc)
-        self._done.set()
-
-    def wait(self, timeout: float | None) -> tuple[list[int] | None, BaseException | None]:
-        """(steps, None), (None, the listing's error), or (None, TimeoutError) while it still runs."""
-        if not self._done.wait(timeout):
-            return None, TimeoutError(f"the storage did not answer in {timeout:g} s")
-        return self._found

@@ -7,13 +7,16 @@ exactly what :meth:`Arena.commit` writes, consistent in itself: integer fields i
 entry inside the arena and inside its tensor, a known dtype, a skeleton in ftrt's JSON encoding
 (:mod:`ftrt.checkpoint.skeleton`) that names only the index's entries.
 
+:class:`MemIndex` and :class:`IndexEntry` type what an index holds; a dict read from a file or
+received from a peer is one only once :func:`check_index` has accepted it.
+
 Without torch (the agent checks replicas and does not import it).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from ftrt.checkpoint import skeleton as skel
 
@@ -29,6 +32,44 @@ ITEMSIZE = {
 
 MAX_SLOTS = 64
 """More arena slots than any staging configuration uses."""
+
+
+class IndexEntry(TypedDict):
+    """Where one tensor of a rank's state lies in its arena, and which part of the tensor it is."""
+
+    key: str
+    """The tensor's path in the state (:func:`ftrt.checkpoint.memtier.flatten`)."""
+    dtype: str
+    """``str(dtype)``, one of :data:`ITEMSIZE`."""
+    offset: int
+    """Its first byte in the arena."""
+    nbytes: int
+    """Its size in the arena (``prod(local_shape) * itemsize``)."""
+    local_shape: list[int]
+    """The shape of this rank's chunk."""
+    global_shape: list[int]
+    """The shape of the whole tensor (the chunk's, for a plain tensor)."""
+    global_offset: list[int]
+    """Where the chunk starts in the whole tensor (zeros for a plain tensor)."""
+
+
+class MemIndex(TypedDict):
+    """One rank's memory checkpoint (``current.json``/``previous.json``), as
+    :meth:`ftrt.checkpoint.memtier.Arena.commit` writes it."""
+
+    step: int
+    round: int
+    """The rendezvous round that saved it."""
+    rank: int
+    """The rank that saved it, in a world of ``world``."""
+    world: int
+    slot: int
+    """The arena slot (``slot-<k>.bin``) its tensors are in."""
+    size: int
+    """The bytes of the arena it uses."""
+    entries: list[IndexEntry]
+    skeleton: dict[str, Any]
+    """The state around the tensors, in ftrt's JSON encoding (:mod:`ftrt.checkpoint.skeleton`)."""
 
 
 class BadIndex(ValueError):
@@ -51,7 +92,7 @@ def _ints(e: dict, field: str, n: int | None = None) -> list[int]:
     return v
 
 
-def check_index(index: Any) -> dict:
+def check_index(index: Any) -> MemIndex:
     """``index`` if it is a memory checkpoint index as :meth:`Arena.commit` writes it and
     consistent in itself (ranks, slots, every entry inside the arena and inside its tensor,
     dtypes, a skeleton in ftrt's JSON encoding naming only its entries), else :class:`BadIndex`.
@@ -96,7 +137,7 @@ def check_index(index: Any) -> dict:
         raise BadIndex(str(exc)) from None
     if not set(named) <= keys:
         raise BadIndex("the skeleton names tensors the index has no entry for")
-    return index
+    return cast(MemIndex, index)
 
 
-__all__ = ["BadIndex", "ITEMSIZE", "check_index"]
+__all__ = ["BadIndex", "ITEMSIZE", "IndexEntry", "MemIndex", "check_index"]

@@ -29,13 +29,13 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import torch
 
 from ftrt.checkpoint import skeleton as skel
 from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
-from ftrt.checkpoint.memindex import ITEMSIZE, BadIndex, check_index
+from ftrt.checkpoint.memindex import ITEMSIZE, BadIndex, IndexEntry, MemIndex, check_index
 from ftrt.checkpoint.staging import _is_dtensor
 
 log = logging.getLogger(__name__)
@@ -47,10 +47,28 @@ class Unsupported(Exception):
     """A tensor layout the memory tier cannot reshard (the storage tier is used instead)."""
 
 
+class HeldIndex(MemIndex):
+    """A memory checkpoint a node holds (:func:`scan`): its checked index and its arena file."""
+
+    file: str
+    """The arena slot's file, a path on the node that holds it."""
+
+
+class Choice(NamedTuple):
+    """The memory checkpoint a restore takes (:func:`choose`)."""
+
+    step: int
+    round: int
+    world: int
+    """The world size that saved it (its old ranks are 0 .. world - 1)."""
+    holders: dict[int, int]
+    """Old rank held -> the lowest new rank whose node holds it."""
 
 
 @dataclass
 class Entry:
+    """An index entry as :func:`layout` places it (:class:`~ftrt.checkpoint.memindex.IndexEntry`)."""
+
     key: str
     dtype: str
     offset: int
@@ -141,21 +159,21 @@ class Arena:
         return views
 
     def commit(self, *, slot: int, step: int, round_no: int, world: int, entries: list[Entry],
-               size: int, skeleton: Any) -> dict:
+               size: int, skeleton: Any) -> MemIndex:
         """Make ``slot`` the rank's current memory checkpoint (atomic rename)."""
-        index = {
+        index: MemIndex = {
             "step": step, "round": round_no, "rank": self.rank, "world": world, "slot": slot,
-            "size": size, "entries": [vars(e) for e in entries],  # vars: asdict deep-copies, ~6 ms a save
+            "size": size, "entries": cast(list[IndexEntry], [vars(e) for e in entries]),  # vars: asdict deep-copies, ~6 ms a save
             "skeleton": skeleton,
         }
         publish_index(self.dir, index)
         return index
 
 
-def scan(mem_dir: str) -> list[dict]:
+def scan(mem_dir: str) -> list[HeldIndex]:
     """Every complete memory checkpoint in a node's directory (own and replicas), with its file.
     An index that does not check out (:func:`check_index`) is skipped with a warning."""
-    out = []
+    out: list[HeldIndex] = []
     for current in [*Path(mem_dir).glob("**/current.json"), *Path(mem_dir).glob("**/previous.json")]:
         try:
             index = check_index(json.loads(current.read_text()))
@@ -164,26 +182,27 @@ def scan(mem_dir: str) -> list[dict]:
         except ValueError as exc:  # BadIndex, or not JSON
             log.warning("ignoring memory checkpoint index %s: %s", current, exc)
             continue
-        index["file"] = str(current.parent / f"slot-{index['slot']}.bin")
+        held = cast(HeldIndex, index)
+        held["file"] = str(current.parent / f"slot-{index['slot']}.bin")
         try:
-            if os.path.getsize(index["file"]) >= index["size"]:
-                out.append(index)
+            if os.path.getsize(held["file"]) >= held["size"]:
+                out.append(held)
         except OSError:
             pass
     return out
 
 
-def choose(per_rank: list[list[dict]]) -> tuple[int, int, int, dict[int, int]] | None:
+def choose(per_rank: list[list[MemIndex]]) -> Choice | None:
     """Pick the newest (step, round) whose state the new ranks' nodes hold in full.
 
     ``per_rank[r]`` lists the checkpoints new rank r's node holds. A checkpoint is whole when the
     old ranks held cover every tensor: all old ranks for a sharded state, any one for a replicated
     (data-parallel) state, whose every rank saved every tensor in full. So a peer's replica that
     lags behind only matters where the survivors' own copies do not cover the state. Returns
-    (step, round, old world, {old rank held: the lowest new rank whose node holds it}).
+    (step, round, old world, {old rank held: the lowest new rank whose node holds it}), or None.
     """
     holders: dict[tuple[int, int, int], dict[int, int]] = {}
-    indexes: dict[tuple[int, int, int], dict[int, dict]] = {}
+    indexes: dict[tuple[int, int, int], dict[int, MemIndex]] = {}
     for new_rank, items in enumerate(per_rank):
         for it in items:
             k = (it["step"], it["round"], it["world"])
@@ -194,16 +213,16 @@ def choose(per_rank: list[list[dict]]) -> tuple[int, int, int, dict[int, int]] |
     if not whole:
         return None
     step, rnd, world = max(whole)
-    return step, rnd, world, holders[(step, rnd, world)]
+    return Choice(step, rnd, world, holders[(step, rnd, world)])
 
 
-def describe(per_rank: list[list[dict]]) -> str:
+def describe(per_rank: list[list[MemIndex]]) -> str:
     """What each new rank's node holds, for a log line: ``rank 0: r0@12 r1@11; rank 1: ...``."""
     return "; ".join(f"rank {i}: " + (" ".join(f"r{it['rank']}@{it['step']}" for it in sorted(
         items, key=lambda it: (it["rank"], it["step"]))) or "nothing") for i, items in enumerate(per_rank))
 
 
-def _covers(held: list[dict]) -> bool:
+def _covers(held: list[MemIndex]) -> bool:
     """Whether the held ranks' chunks cover every tensor of the saved state.
 
     Chunks of one tensor (DTensor shards and replicas) are either the same box or disjoint, so
@@ -235,7 +254,7 @@ def _overlap(a_off, a_shape, b_off, b_shape):
     return tuple(sa), tuple(sb)
 
 
-def fill(target_flat: dict[str, Any], old: dict[int, dict], arenas: dict[int, torch.Tensor],
+def fill(target_flat: dict[str, Any], old: dict[int, MemIndex], arenas: dict[int, torch.Tensor],
          files: dict[int, str] | None = None) -> None:
     """Copy into every target tensor (in place) the overlapping parts of the old ranks' chunks.
 
@@ -329,7 +348,7 @@ def _pread_into(fd: int, dst: torch.Tensor, offset: int) -> None:
         done += got
 
 
-def needed_ranks(target_flat: dict[str, Any], old: dict[int, dict], local: set[int]) -> set[int]:
+def needed_ranks(target_flat: dict[str, Any], old: dict[int, MemIndex], local: set[int]) -> set[int]:
     """Old ranks, not held locally, whose chunks overlap this rank's part of any tensor."""
     need: set[int] = set()
     by_rank = {r: {e["key"]: e for e in idx["entries"]} for r, idx in old.items()}
@@ -359,5 +378,5 @@ def unflatten(skeleton: Any, values: dict[str, Any]) -> Any:
     return skel.decode(skeleton, tensor)
 
 
-__all__ = ["Arena", "BadIndex", "Entry", "Unsupported", "check_index", "choose", "fill", "flatten", "layout",
-           "needed_ranks", "scan", "unflatten"]
+__all__ = ["Arena", "BadIndex", "Choice", "Entry", "HeldIndex", "Unsupported", "check_index", "choose", "fill",
+           "flatten", "layout", "needed_ranks", "scan", "unflatten"]

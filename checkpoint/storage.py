@@ -171,6 +171,13 @@ def storage_problem(url: str, exc: BaseException) -> CheckpointUnavailable:
     return CheckpointUnavailable(f"Cannot read the checkpoints at {url}: {hint}.")
 
 
+def brief(exc: BaseException) -> str:
+    """An error in one line for a message or a log line: its type and the first line of its text."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return (lines[0] if lines else "")[:300].rstrip(".")

@@ -155,8 +155,10 @@ class Runtime:
         """A :class:`ftrt.checkpoint.Checkpointer` wired to this job.
 
         Under ``ftrt launch`` its commits also move the job's ``latest`` pointer in etcd, fenced by
-        this worker's round, and restore ignores checkpoints newer than that pointer. Elsewhere it
-        is a plain Checkpointer. Every rank must call this alike (it creates a process group).
+        this worker's round, and restore ignores checkpoints newer than that pointer; its saves
+        also go to the node's memory tier; and its reports go to the agent (:meth:`report`), which
+        replicates the memory checkpoints to peer nodes and counts them in its metrics. Elsewhere
+        it is a plain Checkpointer. Every rank must call this alike (it creates a process group).
         """
         from ftrt.checkpoint import Checkpointer
 

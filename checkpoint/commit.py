@@ -1,0 +1,184 @@
+"""The commit protocol: a checkpoint's files become a checkpoint, and old ones go.
+
+Once every rank's DCP files of a step are written (:mod:`ftrt.checkpoint.saving`):
+
+1. every rank sums the files it wrote (CRC-32, or SHA-256 with a checkpoint key);
+2. rank 0 gathers the sizes and sums, asks ``pre_commit`` (under ``ftrt launch``: is our round
+   still the job's?), and writes ``manifest.json`` last, signed with the key if there is one: the
+   checkpoint exists from that moment on;
+3. rank 0 calls ``on_commit(step)`` (under ``ftrt launch``: move the job's ``latest`` pointer in
+   etcd, fenced by the round); if the round moved on, the manifest is withdrawn again, since a
+   stale round's checkpoint must not exist;
+4. every rank learns the outcome from rank 0, so all of them succeed or fail together.
+
+After a commit rank 0 reports it (``ckpt``) and deletes, on the background thread, the committed
+checkpoints beyond the newest ``keep`` and the folders of saves that never committed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from typing import Callable
+
+from ftrt import reports
+from ftrt.checkpoint import manifest as mf
+from ftrt.checkpoint.group import CheckpointGroup
+from ftrt.checkpoint.signing import CheckpointKey
+from ftrt.checkpoint.storage import MANIFEST, Location, brief, list_steps, step_dir, write_bytes
+from ftrt.errors import CheckpointCorrupt, RoundChanged
+
+log = logging.getLogger(__name__)
+
+
+class Committer:
+    """Commits, recognises and retires one checkpointer's checkpoints (see the module docstring).
+
+    Args:
+        group: the checkpointer's ranks.
+        loc: where its checkpoints live.
+        keep: committed checkpoints to keep (>= 1; the newest valid one is never deleted).
+        key: the job's checkpoint key: files summed with SHA-256 and manifests signed; a
+            manifest not signed under it is not this job's (kept, never trusted).
+        round_no: the rendezvous round recorded in each manifest.
+        pre_commit: called on rank 0 just before the manifest is written; raising
+            :class:`~ftrt.errors.RoundChanged` stops the commit.
+        on_commit: called as ``on_commit(step)`` on rank 0 after the manifest is written; if it
+            raises :class:`~ftrt.errors.RoundChanged` the manifest is withdrawn.
+        latest_limit: the highest step the job trusts (its pointer), or None for no limit.
+        report: where rank 0's ``ckpt`` reports go.
+        background: the low-priority thread retention runs on.
+    """
+
+    def __init__(self, group: CheckpointGroup, loc: Location, *, keep: int, key: CheckpointKey | None,
+                 round_no: int, pre_commit: Callable[[], None] | None, on_commit: Callable[[int], None] | None,
+                 latest_limit: Callable[[], int | None] | None, report: Callable[[dict], None],
+                 background: cf.ThreadPoolExecutor) -> None:
+        self._group = group
+        self._loc = loc
+        self._keep = keep
+        self._key = key
+        self._round_no = round_no
+        self._pre_commit = pre_commit
+        self._on_commit = on_commit
+        self._latest_limit = latest_limit
+        self._report = report
+        self._background = background
+        self.checksum = "sha256" if key is not None else "crc32"
+        """How this job sums its files."""
+        self.last_committed: int | None = None
+        """The step this process last saw committed to storage, or None."""
+
+    def already_committed(self, folder: str, step: int) -> bool:
+        """Whether ``step`` is committed in ``folder`` and trusted (not above the job's pointer), as
+        rank 0 finds it; collective. "Cannot tell" (storage or etcd down) reads as no: the save
+        attempt that follows reports the failure."""
+        found = None
+        if self._group.rank == 0:
+            try:
+                found = self.is_committed(folder)
+                if found:
+                    # Above the job's pointer a manifest is not trusted (a stale round may have left it).
+                    limit = self._latest_limit() if self._latest_limit is not None else None
+                    found = limit is None or step <= limit
+            except Exception:
+                found = False
+        return bool(self._group.broadcast(found))
+
+    def commit(self, folder: str, step: int) -> int:
+        """Commit the files every rank wrote into ``folder`` as ``step``; collective. Returns the
+        checkpoint's bytes on rank 0 (0 on the others); raises :class:`RoundChanged` if the job's
+        round moved on and OSError for any other failure, on every rank alike."""
+        g, loc = self._group, self._loc
+        mine: dict[str, mf.FileEntry] | str
+        try:
+            names = [p.rsplit("/", 1)[-1] for p in loc.fs.ls(loc.path(folder), detail=False)]
+            own = [n for n in names if n.startswith(f"__{g.rank}_") or (g.rank == 0 and n == ".metadata")]
+            mine = {n: mf.checksum_file(loc, loc.path(folder, n), self.checksum) for n in own}
+        except Exception as exc:
+            mine = f"rank {g.rank}: {brief(exc)}"
+        parts = g.all_gather(mine)
+        failures = [p for p in parts if isinstance(p, str)]
+        if failures:
+            raise OSError("; ".join(failures))
+        outcome = None
+        files: dict[str, mf.FileEntry] = {}
+        if g.rank == 0:
+            for p in parts:
+                files.update(p)
+            outcome = self._write_manifest(folder, step, files)
+        outcome = g.broadcast(outcome)
+        if outcome:
+            kind, message = outcome
+            raise RoundChanged(message) if kind == "round" else OSError(message)
+        return sum(e.size for e in files.values()) if g.rank == 0 else 0
+
+    def _write_manifest(self, folder: str, step: int, files: dict[str, mf.FileEntry]) -> tuple[str, str] | None:
+        """Rank 0's part of a commit: None, or ("round" | "error", why it failed)."""
+        m = mf.Manifest(step=step, world_size=self._group.world, files=files, round=self._round_no, time=time.time(),
+                        checksum=self.checksum)
+        if self._key is not None:
+            m = m.signed(self._key)
+        manifest_path = self._loc.path(folder, MANIFEST)
+        try:
+            if self._pre_commit is not None:
+                self._pre_commit()
+            write_bytes(self._loc, manifest_path, m.to_json())
+            if self._on_commit is not None:
+                try:
+                    self._on_commit(step)
+                except RoundChanged:
+                    self._loc.fs.rm(manifest_path)  # withdraw: a stale round's checkpoint must not exist
+                    raise
+        except RoundChanged as exc:
+            return ("round", str(exc))
+        except Exception as exc:
+            return ("error", f"rank 0 could not commit: {brief(exc)}")
+        return None
+
+    def committed(self, step: int, nbytes: int, save_s: float) -> None:
+        """Record that ``step`` was committed (``nbytes`` in all, ``save_s`` after its staging): on rank
+        0, report it and start retention."""
+        self.last_committed = step
+        if self._group.rank == 0:
+            self._background.submit(self.retain)
+            self._report(reports.committed("storage", 0, step, nbytes, save_s))
+
+    def retain(self) -> None:
+        """Delete all but the newest ``keep`` committed checkpoints, and dead uncommitted folders."""
+        try:
+            steps = list_steps(self._loc)
+            committed = [s for s in steps if self.is_committed(step_dir(s))]
+            keep = set(committed[-self._keep:])
+            newest = committed[-1] if committed else -1
+            for s in steps:
+                if s in keep or s > newest:
+                    continue  # never the kept ones, nor a save that may still be in flight
+                if self._key is not None and self._valid_unsigned(step_dir(s)):
+                    continue  # not trusted under this key, but not ours to delete either
+                self._loc.fs.rm(self._loc.path(step_dir(s)), recursive=True)
+                log.debug("deleted checkpoint step %d", s)
+        except Exception as exc:
+            log.warning("checkpoint retention failed (will retry after the next save): %s", brief(exc))
+
+    def is_committed(self, folder: str) -> bool:
+        """Whether ``folder`` holds a valid manifest trusted under the key. Storage errors propagate:
+        "cannot tell" must never read as "not committed" where that leads to deletion."""
+        try:
+            mf.read_manifest(self._loc, folder, self._key)
+            return True
+        except CheckpointCorrupt:
+            return False
+
+    def _valid_unsigned(self, folder: str) -> bool:
+        """Whether ``folder`` holds a manifest that is valid except for its signature (written
+        without this job's key: untrusted, and kept)."""
+        try:
+            mf.read_manifest(self._loc, folder)
+            return True
+        except CheckpointCorrupt:
+            return False
+
+
+__all__ = ["Committer"]
