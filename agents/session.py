@@ -83,11 +83,17 @@ class Session:
             except LeaseLost as exc:
                 self._lose(str(exc))
                 return
-            except (StoreError, asyncio.TimeoutError) as exc:
-                why = str(exc) or f"no answer within {remaining:.2f} s"
+            except Exception as exc:  # noqa: BLE001 - a renewal that failed in any way is retried until
+                # the lease runs out; a keep-alive task that died of a surprise would fence the node later
+                # without a word (an etcd leader loss once ended one that way)
+                why = str(exc) or (f"no answer within {remaining:.2f} s" if isinstance(exc, asyncio.TimeoutError)
+                                   else type(exc).__name__)
                 log.warning("lease renewal failed (%s); %.2f s of lease left", why, self.valid_until - self.clock())
                 next_at = self.clock() + min(0.1, interval)
                 continue
+            took = self.clock() - sent
+            if took > interval:
+                log.warning("lease renewal took %.2f s (%.2f s of lease were left)", took, remaining)
             # A renewal that returns after the lease ran out locally does not un-fence us.
             if self.clock() >= self.valid_until:
                 self._lose(f"lease {self.lease_id:#x} ran out before its renewal returned")

@@ -208,8 +208,8 @@ class AgentLink:
         than :attr:`LOOKUP_EVERY_S` ago."""
         if self.addr is not None or not (again or self.lookup_due):
             return self.addr
-        from ftrt.agents.keys import JobKeys
-        from ftrt.agents.records import NodeRecord, decode
+        from ftrt.jobkeys import JobKeys
+        from ftrt.records import NodeRecord, decode
         from ftrt.errors import ConfigError, StoreError
         from ftrt.store.etcd import EtcdStore
 

@@ -486,14 +486,16 @@ class EtcdStore:
                     self._keepalive_calls[lease_id] = call
                 wait = max(0.01, min(deadline - time.monotonic(), self.attempt_timeout))
                 try:
-                    await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
-                    resp = await asyncio.wait_for(call.read(), wait)
+                    # Both halves are bounded: a write on a stream whose member died can block as
+                    # long as a read can (an etcd leader loss in a 3-member cluster showed it).
+                    resp = await asyncio.wait_for(_renew_once(call, lease_id), wait)
                     if resp is grpc.aio.EOF:
                         raise StoreUnavailable("etcd closed the keep-alive stream")
                 except asyncio.CancelledError:
                     self._drop_keepalive(lease_id)  # its answer may still come: never read it as the next one's
                     raise
-                except (grpc.aio.AioRpcError, TimeoutError, StoreUnavailable, grpc.aio.UsageError) as exc:
+                except (grpc.aio.AioRpcError, TimeoutError, StoreUnavailable, grpc.aio.UsageError,
+                        asyncio.InvalidStateError) as exc:  # the last: a write on a stream the server ended
                     self._drop_keepalive(lease_id)
                     self.errors += 1
                     if isinstance(exc, grpc.aio.AioRpcError):
@@ -640,3 +642,9 @@ class EtcdStore:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+
+
+async def _renew_once(call: grpc.aio.StreamStreamCall, lease_id: int):
+    """One renewal on a keep-alive stream: the request, then its answer (or ``grpc.aio.EOF``)."""
+    await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+    return await call.read()

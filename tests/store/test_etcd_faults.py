@@ -74,6 +74,25 @@ async def test_renewals_share_one_keep_alive_stream_which_is_reopened_after_a_re
         await store.close()
 
 
+async def test_lease_renewals_go_on_through_a_leader_loss(etcd_cluster):
+    """Keep-alive streams on the lost leader, or ended by the members that lost it, are reopened:
+    a renewal after it succeeds within its deadline (it once raised InvalidStateError, writing to a
+    stream the server had ended, and the agent's keep-alive task died without a word)."""
+    stores = [EtcdStore(etcd_cluster.endpoints, timeout=3.0) for _ in range(3)]
+    try:
+        leases = [(await s.grant_lease(5)).id for s in stores]
+        for s, lease in zip(stores, leases):
+            assert await s.keep_alive(lease) > 0  # each store's stream is open now
+        etcd_cluster.leader().kill()
+        for _ in range(4):
+            for s, lease in zip(stores, leases):
+                assert await s.keep_alive(lease, timeout=3.0) > 0
+            await asyncio.sleep(0.3)
+    finally:
+        for s in stores:
+            await s.close()
+
+
 async def test_leader_loss_in_a_cluster_is_a_short_pause(etcd_cluster):
     store = EtcdStore(etcd_cluster.endpoints, timeout=5.0, attempt_timeout=0.5)
     try:
