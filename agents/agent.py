@@ -102,6 +102,25 @@ class _Prefix(logging.LoggerAdapter):
         return f"[node={self.extra['node_id']} round={node.worker_round or '-'}] {msg}", kwargs
 
 
+class StopSignal:
+    """The first SIGINT or SIGTERM, caught from before the agent is assembled until everything it
+    built is closed (a second one is ignored, so cleanup is not cut short)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._listeners: list = []
+
+    def catch(self, signum: int) -> None:
+        if self.signum is None:
+            self.signum = signum
+            log.info("received %s; stopping", signal.Signals(signum).name)
+            for listener in self._listeners:
+                listener()
+
+    def on_stop(self, listener) -> None:
+        self._listeners.append(listener)
+
+
 class Inbox:
     """What reaches the agent's loop from other tasks: exited workers, and pokes (a view change, a
     stop signal, a peer found dead). The loop is its one consumer. A change is counted, not
@@ -206,25 +225,13 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
     events = EventLog(store, keys, cfg.node_id, file=event_file, round_of=lambda: node.worker_round)
     stack.push_async_callback(events.flush)
     inbox = Inbox()
-    pool = WorkerPool(
-        nproc=cfg.nproc_per_node, fence_path=early.fence.path, warm=cfg.warm_workers,
-        warm_imports=cfg.warm_imports, base_env=early.base_env, log_dir=cfg.log_dir,
-        on_exit=inbox.worker_exited, on_memory=lambda rank, step: replicator.notify(rank),
-        on_heartbeat=lambda w: metrics.heartbeat(w.rank, w.round, w.step),
-        on_report=_report_handler(metrics, events, alog),
-    )
-    pool.adopt_spares(early.take_spawned())
-    template = early.take_template()
-    if template is not None:
-        pool.adopt_template(*template)
-    pool.fill_spares()
     server, port = bind_server(host, cfg.agent_port, cfg.agent_tls)
     stack.push_async_callback(server.stop, 0.2)
     agent_addr = f"{host}:{port}"
+    # Closed in reverse: the workers stop first, then the rendezvous (its slot freed), then the lease.
     membership = Membership(store, keys, node_id=cfg.node_id, host=host, agent_addr=agent_addr,
                             nproc=cfg.nproc_per_node, lease_ttl=cfg.lease_ttl, on_renew=early.fence.set, log=alog)
-    stack.push_async_callback(membership.close)  # after the workers stop: registered before the pool
-    stack.push_async_callback(pool.close, cfg.stop_grace)
+    stack.push_async_callback(membership.close)
     rdzv = Rendezvous(
         store, keys, cfg.node_id,
         RendezvousConfig(
@@ -236,6 +243,19 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
         on_change=inbox.poke,
     )
     stack.push_async_callback(rdzv.close)
+    pool = WorkerPool(
+        nproc=cfg.nproc_per_node, fence_path=early.fence.path, warm=cfg.warm_workers,
+        warm_imports=cfg.warm_imports, base_env=early.base_env, log_dir=cfg.log_dir,
+        on_exit=inbox.worker_exited, on_memory=lambda rank, step: replicator.notify(rank),
+        on_heartbeat=lambda w: metrics.heartbeat(w.rank, w.round, w.step),
+        on_report=_report_handler(metrics, events, alog),
+    )
+    stack.push_async_callback(pool.close, cfg.stop_grace)
+    pool.adopt_spares(early.take_spawned())
+    template = early.take_template()
+    if template is not None:
+        pool.adopt_template(*template)
+    pool.fill_spares()
     monitor = PeerMonitor(cfg.node_id, _peer_death_handler(rdzv, store, metrics, events, alog),
                           cfg.peer_check_interval, cfg.agent_tls)
     stack.push_async_callback(monitor.close)
@@ -301,8 +321,9 @@ class Agent:
     """One node's agent, with every part built (:func:`assemble`). ``await agent.run()`` joins the
     job, drives its rounds and returns the process exit code; :func:`run_agent` does it all."""
 
-    def __init__(self, parts: AgentParts) -> None:
+    def __init__(self, parts: AgentParts, stop: StopSignal) -> None:
         self.parts = parts
+        self.stop = stop
         self.cfg = parts.cfg
         self.keys = parts.keys
         self.node = parts.node
@@ -323,7 +344,6 @@ class Agent:
         self._monitor = parts.monitor
         self._fence = parts.fence
         self._round_end = parts.round_end
-        self._stop_signal: int | None = None
         self._worker_record: RoundRecord | None = None  # the round this node's workers run in
         self._finished_at = 0.0
         self._background: set[asyncio.Task] = set()
@@ -363,9 +383,7 @@ class Agent:
 
     # -- entry ----------------------------------------------------------------------------------
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig)
+        self.stop.on_stop(self.inbox.poke)
         try:
             await self._join()
             await self.rdzv.start()
@@ -378,13 +396,6 @@ class Agent:
         finally:
             for task in list(self._background):
                 task.cancel()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-
-    def _on_signal(self, sig: int) -> None:
-        self.log.info("received %s; stopping workers", signal.Signals(sig).name)
-        self._stop_signal = sig
-        self.inbox.poke()
 
     # -- membership -----------------------------------------------------------------------------
     async def _join(self) -> None:
@@ -409,9 +420,9 @@ class Agent:
         while True:
             await self.inbox.wait(seen, 0.5)
             seen = self.inbox.version
-            if self._stop_signal is not None:
+            if self.stop.signum is not None:
                 self._set_state(AgentState.STOPPED)
-                return 128 + self._stop_signal
+                return 128 + self.stop.signum
             if self.membership.expired():
                 await self._fence_self()
                 continue
@@ -440,8 +451,7 @@ class Agent:
         raise WorkerFailure(f"The job failed: {reason}.")
 
     async def _fence_self(self) -> None:
-        session = self.membership.session
-        reason = (session.lost_reason if session else "") or "the lease ran out before it could be renewed"
+        reason = self.membership.lost_reason() or "the lease ran out before it could be renewed"
         self.log.error("lost membership (%s): stopping workers now", reason)
         self._fence.fence()
         self.pool.kill_running_now()
@@ -450,13 +460,15 @@ class Agent:
         self._set_state(AgentState.FENCED)
         self.metrics.fault("fenced")
         self._events.emit("fenced", f"{self.cfg.node_id} fenced itself: {reason}", evidence=reason)
-        while True:
+        while self.stop.signum is None:
             try:
                 await self._join()
                 break
             except (StoreError, LeaseLost) as exc:
                 self.log.warning("rejoining failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
+        if self.stop.signum is not None:
+            return  # stopped while fenced: the loop ends the agent
         self._set_state(AgentState.WAITING)
         self.log.info("rejoined as a new member")
 
@@ -622,7 +634,7 @@ class Agent:
             cur = self.rdzv.view.round
             if (
                 cur is None or cur.round != rnd or self.rdzv.view.job is not None
-                or self._stop_signal is not None or self.membership.expired()
+                or self.stop.signum is not None or self.membership.expired()
             ):
                 return None
             await self.inbox.wait(seen, 0.5)
@@ -644,11 +656,21 @@ class Agent:
 
 async def main(cfg: LaunchConfig, early: EarlyStart | None = None, store: Store | None = None) -> int:
     """Assemble an agent, serve its gRPC service, run it and close everything it built."""
-    async with contextlib.AsyncExitStack() as stack:
-        parts, server = await assemble(cfg, early=early, store=store, stack=stack)
-        agent = Agent(parts)
-        await serve(server, AgentServicer(agent, parts.mem_dir, parts.token))
-        return await agent.run()
+    loop = asyncio.get_running_loop()
+    stop = StopSignal()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.catch, sig)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            parts, server = await assemble(cfg, early=early, store=store, stack=stack)
+            if stop.signum is not None:
+                return 128 + stop.signum
+            agent = Agent(parts, stop)
+            await serve(server, AgentServicer(agent, parts.mem_dir, parts.token))
+            return await agent.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def run_agent(cfg: LaunchConfig, early: EarlyStart | None = None) -> int:

@@ -119,12 +119,21 @@ class JobView:
                     self.on_change()
             except WatchCompacted:
                 log.warning("watch on %s fell behind compaction; re-reading it", prefix)
-                start = await resync() + 1
+                start = 0  # re-read below
             except StoreError as exc:
                 log.warning("watch on %s failed (%s); retrying", prefix, exc)
                 await asyncio.sleep(0.2)
+            except Exception:  # noqa: BLE001 - a malformed record must not freeze this agent's view
+                log.exception("watch on %s hit an unexpected error; re-reading it", prefix)
+                start = 0
             finally:
                 await it.aclose()
+            while start == 0:  # the re-read retries until etcd answers: the view never freezes
+                try:
+                    start = await resync() + 1
+                except StoreError as exc:
+                    log.warning("re-reading %s failed (%s); retrying", prefix, exc)
+                    await asyncio.sleep(0.2)
 
     # -- folding changes in -----------------------------------------------------------------------
     def apply(self, ev: WatchEvent) -> None:

@@ -105,13 +105,23 @@ class Membership:
         """Take a new lease and register this node under it (a new incarnation). A registration
         still held by a dead agent, or by this agent's own earlier lease, is taken over; one held by
         a live agent is a :class:`~ftrt.errors.NodeIdConflict`."""
-        self.session = await Session(self.store, self.lease_ttl, on_renew=self.on_renew).start()
+        session = await Session(self.store, self.lease_ttl, on_renew=self.on_renew).start()
+        try:
+            record = await self._register(session, ready)
+        except BaseException:
+            await session.close()  # a join that failed leaves no lease renewing behind
+            raise
+        # Published together: registration() never pairs a new lease with an old incarnation.
+        self.session, self.record = session, record
+        return record
+
+    async def _register(self, session: Session, ready: bool) -> NodeRecord:
         rec = NodeRecord(
             node_id=self.node_id, incarnation=uuid.uuid4().hex[:12], host=self.host, agent_addr=self.agent_addr,
             nproc=self.nproc, ready=ready, pid=os.getpid(), started=time.time(),
         )
         try:
-            self.record = await register(self.store, self.keys, rec, self.session.lease_id)
+            return await register(self.store, self.keys, rec, session.lease_id)
         except Taken as taken:
             holder = taken.holder
             if holder.pid == os.getpid() and holder.agent_addr == self.agent_addr:
@@ -120,7 +130,6 @@ class Membership:
                 self.log.warning("node id %s is still held by this agent's previous lease; replacing it",
                                  self.node_id)
             elif not await tcp_refused(holder.agent_addr):
-                await self.session.close()
                 raise NodeIdConflict(
                     f"Node id {self.node_id!r} is already held in job {self.keys.job_id!r} by a live agent "
                     f"(pid {holder.pid} at {holder.agent_addr}). Give this agent another --node-id."
@@ -129,8 +138,7 @@ class Membership:
                 self.log.warning("node id %s was held by a dead agent (pid %d at %s); taking it over",
                                  self.node_id, holder.pid, holder.agent_addr)
             await self.store.revoke_lease(holder.lease)
-            self.record = await register(self.store, self.keys, rec, self.session.lease_id)
-        return self.record
+            return await register(self.store, self.keys, rec, session.lease_id)
 
     async def update(self, **changes) -> None:
         """Rewrite the node record (e.g. ``ready=True``); a lost registration is logged, not raised."""
@@ -142,6 +150,10 @@ class Membership:
             self.record = new
         except (LeaseLost, StoreError) as exc:
             self.log.warning("could not update this node's record: %s", exc)
+
+    def lost_reason(self) -> str:
+        """Why the lease was lost, as far as the keep-alive knows ("" if it does not)."""
+        return self.session.lost_reason if self.session is not None else ""
 
     def orphan(self) -> None:
         """Stop renewing the lease (fencing): it expires on its own."""

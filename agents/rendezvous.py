@@ -41,6 +41,9 @@ Registration = Callable[[], "tuple[int, str] | None"]
 
 RETRY_S = 0.2
 """Pause before the loop tries again after an etcd failure."""
+REGISTRATION_POLL_S = 0.5
+"""While this agent has no candidacy, how often the loop looks whether it registered (a rejoin
+changes nothing under ``rdzv/``, so no watch event would wake it)."""
 
 
 class Rendezvous:
@@ -97,7 +100,9 @@ class Rendezvous:
         self._task = asyncio.create_task(self._loop(), name="rdzv-decide")
 
     async def close(self) -> None:
-        """Stop taking part; a closed rendezvous decides nothing (its candidacy goes with its lease)."""
+        """Stop taking part: a closed rendezvous decides nothing, and its slot is freed for the next
+        candidate at once (else it would go only with the lease)."""
+        election = self._election
         tasks = [t for t in (self._task, self._campaign) if t is not None]
         for t in tasks:
             t.cancel()
@@ -105,6 +110,8 @@ class Rendezvous:
         self._task = self._campaign = None
         self._decider = None
         self._election = None
+        if election is not None:
+            await election.resign()
         await self.jobview.close()
 
     def _changed(self) -> None:
@@ -118,12 +125,17 @@ class Rendezvous:
             wake_at = None
             try:
                 await self._follow_registration()
+                if self._election is None:
+                    wake_at = self.clock() + REGISTRATION_POLL_S
                 if self._decider is not None:
                     held, wake_at = await self._decider.step()
                     if not held and not await self._decider.election.still_leads():
                         await self._step_down("its candidacy is gone")
             except StoreError as exc:  # LeaseLost included: the registration moves on
                 log.warning("rendezvous step failed (%s); will retry", exc)
+                wake_at = self.clock() + RETRY_S
+            except Exception:  # noqa: BLE001 - the loop must outlive a surprise (a malformed record)
+                log.exception("rendezvous step failed unexpectedly; will retry")
                 wake_at = self.clock() + RETRY_S
             timeout = None if wake_at is None else max(0.0, wake_at - self.clock())
             try:
@@ -136,7 +148,9 @@ class Rendezvous:
         mine = self.registration()
         lease = mine[0] if mine is not None else None
         if self._election is not None and self._election.lease_id != lease:
+            old = self._election
             await self._step_down("its lease changed")
+            await old.resign()  # its slot is freed now, not when (or if) the old lease expires
         if self._election is None and mine is not None:
             record = DeciderRecord(self.node_id, mine[1], time.time())
             self._election = Election(self.store, self.keys, self.node_id, mine[0], encode(record))

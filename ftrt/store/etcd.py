@@ -494,7 +494,7 @@ class EtcdStore:
                 except asyncio.CancelledError:
                     self._drop_keepalive(lease_id)  # its answer may still come: never read it as the next one's
                     raise
-                except (grpc.aio.AioRpcError, TimeoutError, StoreUnavailable, grpc.aio.UsageError,
+                except (grpc.aio.AioRpcError, asyncio.TimeoutError, TimeoutError, StoreUnavailable, grpc.aio.UsageError,
                         asyncio.InvalidStateError) as exc:  # the last: a write on a stream the server ended
                     self._drop_keepalive(lease_id)
                     self.errors += 1
@@ -507,7 +507,8 @@ class EtcdStore:
                             raise self._translate(exc, f"keep-alive of lease {lease_id:#x}") from exc
                         why = exc.code().name
                     else:
-                        why = f"no answer in {wait:.2f} s" if isinstance(exc, TimeoutError) else str(exc)
+                        why = (f"no answer in {wait:.2f} s" if isinstance(exc, (asyncio.TimeoutError, TimeoutError))
+                               else str(exc) or type(exc).__name__)
                     if backoff.spent():
                         raise StoreUnavailable(
                             f"etcd at {self.endpoint_text} did not renew lease {lease_id:#x} within "
