@@ -154,8 +154,8 @@ class Inbox:
 
 @dataclass
 class AgentParts:
-    """Everything an agent works with, each built once and in dependency order by :func:`assemble`;
-    ``stack`` closes them in the right order (workers before the lease, the store last)."""
+    """Everything an agent works with, each built once and in dependency order by :func:`assemble`,
+    whose exit stack closes them in the right order (workers before the lease, the store last)."""
 
     cfg: LaunchConfig
     keys: JobKeys
@@ -177,7 +177,6 @@ class AgentParts:
     membership: Membership
     rdzv: Rendezvous
     monitor: PeerMonitor
-    stack: contextlib.AsyncExitStack
 
 
 async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store: Store | None = None,
@@ -270,7 +269,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
         cfg=cfg, keys=keys, node=node, log=alog, host=host, endpoints=endpoints, agent_addr=agent_addr,
         store=store, fence=early.fence, round_end=early.round_end, mem_dir=early.mem_dir, token=token,
         metrics=metrics, events=events, replicator=replicator, inbox=inbox, pool=pool, membership=membership,
-        rdzv=rdzv, monitor=monitor, stack=stack,
+        rdzv=rdzv, monitor=monitor,
     ), server
 
 
@@ -322,7 +321,6 @@ class Agent:
     job, drives its rounds and returns the process exit code; :func:`run_agent` does it all."""
 
     def __init__(self, parts: AgentParts, stop: StopSignal) -> None:
-        self.parts = parts
         self.stop = stop
         self.cfg = parts.cfg
         self.keys = parts.keys

@@ -109,9 +109,6 @@ class Replicator:
         ranks = set().union(*(link.last_sent for link in links))
         return {r: min(link.last_sent.get(r, -1) for link in links) for r in ranks}
 
-    def start(self) -> None:
-        """Nothing to start until peers are set; kept so the agent's start-up reads the same."""
-
     def set_peers(self, addrs: list[str]) -> None:
         """Replicate to exactly ``addrs`` from now on: a new peer gets every rank's newest copy, a
         peer no longer listed is dropped (its send in progress is cancelled)."""

@@ -43,7 +43,6 @@ def test_sharded_ranks_go_after_every_checkpoint_and_whole_ones_at_most_every_in
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         rep = Replicator("a", str(src), TOKEN, interval=0.5)
-        rep.start()
         rep.set_peers([f"127.0.0.1:{port}"])
         try:
             for step in range(1, 11):  # 10 checkpoints in ~0.3 s
