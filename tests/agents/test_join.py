@@ -59,3 +59,35 @@ def test_rejoin_replaces_the_agents_own_earlier_registration(tmp_path, etcd_endp
         asyncio.run(main())
     finally:
         listener.close()
+
+
+def test_a_failed_join_leaves_no_lease_renewing(etcd_endpoint, job_id):
+    """A join whose registration fails closes the lease it took (else it renewed forever, and a
+    candidacy under it could hold an election slot for good)."""
+    from ftrt.errors import StoreUnavailable
+
+    class FailingRegistration(EtcdStore):
+        granted: list[int] = []
+
+        async def grant_lease(self, ttl, **kw):
+            lease = await super().grant_lease(ttl, **kw)
+            self.granted.append(lease.id)
+            return lease
+
+        async def txn(self, compare, success, failure=(), **kw):
+            raise StoreUnavailable("etcd went away during the registration")
+
+    async def main() -> None:
+        store = FailingRegistration(etcd_endpoint)
+        member = _agent(store, job_id, "127.0.0.1:1")
+        try:
+            with pytest.raises(StoreUnavailable):
+                await member.join(ready=True)
+            assert member.registration() is None and member.session is None
+            assert len(store.granted) == 1
+            with pytest.raises(LeaseLost):  # revoked, not left renewing
+                await EtcdStore.keep_alive(store, store.granted[0])
+        finally:
+            await store.close()
+
+    asyncio.run(main())
