@@ -46,7 +46,7 @@ from ftrt.agents.events import EventLog, open_event_file
 from ftrt.agents.fence import FenceWriter
 from ftrt.agents.health import find_hung
 from ftrt.agents.membership import Membership
-from ftrt.agents.peers import PeerMonitor, ring_successors
+from ftrt.agents.peers import MONITORED_PEERS, PeerMonitor
 from ftrt.agents.rendezvous import Rendezvous
 from ftrt.agents.replicator import Replicator
 from ftrt.agents.service import AgentServicer, AgentStatus, bind_server, serve
@@ -57,7 +57,7 @@ from ftrt.agents.workers import Worker, WorkerPool, change_interval, idle_warm_g
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, StoreUnavailable, WorkerFailure
 from ftrt.jobkeys import JobKeys
-from ftrt.records import RoundRecord
+from ftrt.roster import LocalRound, NotLoaded
 from ftrt.store.api import Store
 from ftrt.store.etcd import EtcdStore, parse_endpoints
 from ftrt.store.etcd_server import EtcdServer
@@ -239,7 +239,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
             join_timeout_s=cfg.join_timeout, max_restarts=cfg.max_restarts,
         ),
         registration=membership.registration, on_event=lambda kind, msg: events.emit(kind, msg),
-        on_change=inbox.poke,
+        on_change=inbox.poke, successors=max(MONITORED_PEERS, cfg.replicas),
     )
     stack.push_async_callback(rdzv.close)
     pool = WorkerPool(
@@ -302,7 +302,10 @@ def _peer_death_handler(rdzv: Rendezvous, store: Store, metrics: Metrics, events
 
     async def on_dead(node_id: str, reason: str) -> None:
         rnd = rdzv.view.round
-        rec = rnd.member(node_id) if rnd else None
+        try:
+            rec = rnd.member(node_id) if rnd else None
+        except NotLoaded:
+            rec = None  # not a peer this agent monitors in the current round
         if rec is None or not rec.lease:
             return
         alog.warning("peer %s is dead (%s); revoking its lease", node_id, reason)
@@ -342,7 +345,7 @@ class Agent:
         self._monitor = parts.monitor
         self._fence = parts.fence
         self._round_end = parts.round_end
-        self._worker_record: RoundRecord | None = None  # the round this node's workers run in
+        self._worker_record: LocalRound | None = None  # the round this node's workers run in
         self._finished_at = 0.0
         self._background: set[asyncio.Task] = set()
 
@@ -542,7 +545,7 @@ class Agent:
             return
         await self._start_round(rnd)
 
-    async def _end_at_boundary(self, old: RoundRecord, new: RoundRecord) -> None:
+    async def _end_at_boundary(self, old: LocalRound, new: LocalRound) -> None:
         """Before a planned round replaces ``old``, let the workers that poll for it finish their
         step, save it and exit (:mod:`ftrt.agents.boundary`), for at most a few steps."""
         polling = [w for w in self.pool.running if w.polls_boundary and w.exit_code is None]
@@ -559,13 +562,13 @@ class Agent:
             self.log.warning("round %d: workers did not stop at a step boundary within %.1f s; stopping them",
                              old.round, timeout)
 
-    async def _start_round(self, rnd: RoundRecord) -> None:
+    async def _start_round(self, rnd: LocalRound) -> None:
         t0 = time.monotonic()
         if self.pool.running:
             if self._worker_record is not None:
                 await self._end_at_boundary(self._worker_record, rnd)
             await self.pool.stop_running(self.cfg.restart_grace)
-        if rnd.members[0].node_id == self.cfg.node_id:
+        if rnd.first == self.cfg.node_id:
             workers = await self.pool.take()
             await workers[0].ready.wait()
             if workers[0].exit_code is not None:
@@ -600,7 +603,7 @@ class Agent:
         previous = self._worker_record
         self.worker_round, self._worker_record = rnd.round, rnd
         self._set_state(AgentState.RUNNING)
-        self.metrics.round_started(rnd.round, rnd.world_size, len(rnd.members), rnd.reason, first=previous is None,
+        self.metrics.round_started(rnd.round, rnd.world_size, rnd.node_count, rnd.reason, first=previous is None,
                                    fault=previous is not None and rnd.faults > previous.faults, written=rnd.created)
         self._events.emit("workers_started", f"ranks {offset}-{offset + len(workers) - 1} of {rnd.world_size} "
                           f"started ({rnd.reason})", ranks=[offset + i for i in range(len(workers))],
@@ -614,7 +617,7 @@ class Agent:
         mtbf = estimate_mtbf(self.cfg.mtbf, rnd.faults, age).seconds
         self.pool.refill_later(SPARE_REFILL_DELAY, idle_grace=idle_warm_grace(change_interval(mtbf, rnd.round, age)))
 
-    async def _request_restart_unassigned(self, rnd: RoundRecord, detail: str) -> None:
+    async def _request_restart_unassigned(self, rnd: LocalRound, detail: str) -> None:
         self.worker_round = rnd.round
         self._set_state(AgentState.WAITING)
         try:
@@ -639,17 +642,12 @@ class Agent:
             seen = self.inbox.version
 
     def _update_peers(self) -> None:
+        """Monitor this node's ring successors and replicate to the first ``--replicas`` of them."""
         rnd = self.rdzv.view.round
-        peers: dict[str, str] = {}
-        if rnd is not None and self.state is AgentState.RUNNING:
-            for nid in ring_successors(rnd.node_ids, self.cfg.node_id):
-                rec = rnd.member(nid)
-                if rec is not None and rec.agent_addr:
-                    peers[nid] = rec.agent_addr
-        self._monitor.watch(peers)
-        targets = ring_successors(rnd.node_ids, self.cfg.node_id, k=self.cfg.replicas) if rnd is not None else []
-        members = [rnd.member(nid) for nid in targets] if rnd is not None else []
-        self.replicator.set_peers([m.agent_addr for m in members if m is not None and m.agent_addr])
+        after = rnd.successors(self.cfg.node_id, max(MONITORED_PEERS, self.cfg.replicas)) if rnd is not None else []
+        running = self.state is AgentState.RUNNING
+        self._monitor.watch({m.node_id: m.agent_addr for m in after[:MONITORED_PEERS] if running and m.agent_addr})
+        self.replicator.set_peers([m.agent_addr for m in after[:self.cfg.replicas] if m.agent_addr])
 
 
 async def main(cfg: LaunchConfig, early: EarlyStart | None = None, store: Store | None = None) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from ftrt import envnames
 from ftrt.agents.mapped import MappedReader, MappedWriter
 from ftrt.records import RoundRecord
+from ftrt.roster import LocalRound
 
 ENV = envnames.ROUND_END_FILE
 """Environment variable with the round-end file's path, set for every worker of an agent."""
@@ -55,13 +56,12 @@ class RoundEndReader:
         return requested >= round_no > 0
 
 
-def planned_change(old: RoundRecord, new: RoundRecord) -> bool:
-    """True when ``new`` replaces ``old`` without a fault: no fault was counted in between and
-    every member of ``old`` (the same incarnation) is still in ``new``; a node joined."""
-    if new.faults != old.faults or not new.active:
-        return False
-    kept = {(m.node_id, m.incarnation) for m in new.members}
-    return all((m.node_id, m.incarnation) in kept for m in old.members)
+def planned_change(old: LocalRound | RoundRecord, new: LocalRound | RoundRecord) -> bool:
+    """True when ``new`` replaces ``old`` without a fault: a node joined. The decider counts a
+    fault for every round that drops a member of the one before (lost, back with a new
+    incarnation, or a worker failure), so no fault counted in between means every member of
+    ``old`` is still in ``new``; an agent need not know every member to tell."""
+    return new.active and new.faults == old.faults and new.node_count >= old.node_count
 
 
 BOUNDARY_WAIT_MIN = 2.0

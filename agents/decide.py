@@ -21,6 +21,10 @@ Rules, in order:
    waits, up to ``join_timeout_s``, then fails.
 6. Ready newcomers while the round is below ``max_nodes``: after ``join_settle_s`` (so nodes that
    start together join together), write a round that admits them.
+
+The decider stores a round group by group (:mod:`ftrt.roster`): members keep the relative order
+decided here, and a newcomer ends up last in its member group, which is the end of the round in a
+job of up to 64 nodes (one group).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from ftrt.records import JobState, Member, NodeRecord, RestartRequest, RoundRecord
+from ftrt.roster import LocalRound
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,8 @@ class View:
     """
 
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
-    round: RoundRecord | None = None
+    round: LocalRound | RoundRecord | None = None
+    """The current round; the decider's holds every member (a complete :class:`LocalRound`)."""
     requests: dict[str, RestartRequest] = field(default_factory=dict)
     job: JobState | None = None
     changed_at: float = 0.0
@@ -101,7 +107,7 @@ def _candidates(view: View) -> list[NodeRecord]:
 
 
 def _next_round(
-    prev: RoundRecord | None,
+    prev: LocalRound | RoundRecord | None,
     members: list[Member],
     cfg: RendezvousConfig,
     reason: str,

@@ -5,7 +5,8 @@ then follows every node record) and carries out the decision:
 
 - ``WRITE_ROUND``: a transaction that succeeds only if the round key is unchanged since the view
   read it (compare-and-swap on its mod revision) and this agent still leads (the election's
-  fence); it also clears restart requests and master records of older rounds.
+  fence). It writes the round's header and the member groups that changed (:mod:`ftrt.roster`),
+  and clears restart requests and master records of older rounds.
 - ``FAIL`` / ``SUCCEED``: the job's terminal state, written only if absent (same fence).
 """
 
@@ -20,6 +21,7 @@ from ftrt.agents.decide import Action, RendezvousConfig, decide_round
 from ftrt.agents.election import Election
 from ftrt.agents.jobview import JobView
 from ftrt.records import JobState, RoundRecord, encode
+from ftrt.roster import LocalRound, groups_for, plan_write
 from ftrt.store.api import Compare, Delete, Put, Store, WatchEvent
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ class Decider:
     async def step(self) -> tuple[bool, float | None]:
         """Decide once and act: (whether every write it tried held, when to decide again if
         nothing changes first)."""
+        if not await self.jobview.ensure_complete():
+            return True, None  # the round moved on; its header wakes us once read in full
         d = decide_round(self.clock(), self.jobview.view, self.cfg)
         if d.reason != self._last_reason:
             log.debug("rendezvous decision: %s (%s)", d.action.value, d.reason)
@@ -60,23 +64,20 @@ class Decider:
         """Write the next round, fenced by the round's revision and the election."""
         now = time.time()
         new = dataclasses.replace(new, created=now, job_started=new.job_started or now, writer=self.node_id)
+        plan = plan_write(new, groups_for(self.cfg.max_nodes), self.jobview.view.round, self.keys)
         res = await self.store.txn(
             [Compare.mod_revision(self.keys.round, self.jobview.round_mod_revision), self.election.fence()],
-            [
-                Put(self.keys.round, encode(new)),
-                Delete(self.keys.requests, prefix=True),
-                Delete(self.keys.masters, prefix=True),
-            ],
+            [*plan.ops, Delete(self.keys.requests, prefix=True), Delete(self.keys.masters, prefix=True)],
         )
         if res.succeeded:
+            ids = [m.node_id for g in sorted(plan.shards) for m in plan.shards[g]]
             log.info(
-                "round %d written: %s; members %s (world size %d)%s",
-                new.round, new.reason, ",".join(new.node_ids) or "none", new.world_size,
-                "" if new.active else " [inactive]",
+                "round %d written: %s; %d members %s (world size %d)%s",
+                new.round, new.reason, len(ids), _ids(ids), new.world_size, "" if new.active else " [inactive]",
             )
             self.on_event("round", f"round {new.round}: {new.reason}")
-            # Apply our own write now rather than waiting for the watch to echo it.
-            self.jobview.apply(WatchEvent("put", self.keys.round, encode(new), res.revision))
+            # Take our own write now rather than waiting for the watch to echo it.
+            self.jobview.adopt(LocalRound(plan.header, encode(plan.header), plan.shards), res.revision)
             self.jobview.on_change()
         return res.succeeded
 
@@ -94,3 +95,11 @@ class Decider:
             self.jobview.apply(WatchEvent("put", self.keys.state, encode(body), res.revision))
             self.jobview.on_change()
         return res.succeeded
+
+
+def _ids(ids: list[str], shown: int = 32) -> str:
+    """Member ids for a log line (the first ``shown``, then how many more)."""
+    if not ids:
+        return "none"
+    more = len(ids) - shown
+    return ",".join(ids[:shown]) + (f",... (+{more})" if more > 0 else "")

@@ -6,18 +6,23 @@ O(1) watch events, not O(N). The node records (``/ftrt/<job>/nodes/``) are read 
 while this agent decides (:meth:`JobView.watch_nodes`). Each change is folded into a
 :class:`~ftrt.agents.decide.View`, stamped with local times where membership moved, and reported
 through ``on_change``.
+
+The round key holds only the round's header (:mod:`ftrt.roster`); a new header becomes the view's
+round once the member groups this agent needs are read: its own group and those of its ring
+successors, or every group while it decides. Shards are kept by (group, round written), so a
+group that did not change is not read again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import Callable
 
 from ftrt.agents.decide import View
 from ftrt.jobkeys import JobKeys
-from ftrt.records import DeciderRecord, JobState, MasterRecord, NodeRecord, RestartRequest, RoundRecord, decode
+from ftrt.records import DeciderRecord, JobState, MasterRecord, Member, NodeRecord, RestartRequest, RoundHeader, decode
+from ftrt.roster import LocalRound, read_shards, wanted_groups
 from ftrt.errors import StoreError, WatchCompacted
 from ftrt.store.api import Store, WatchEvent
 
@@ -27,16 +32,24 @@ log = logging.getLogger(__name__)
 class JobView:
     """The job's rendezvous keys (and, on the decider, its node records) as this agent last saw them."""
 
-    def __init__(self, store: Store, keys: JobKeys, *, clock: Callable[[], float],
+    def __init__(self, store: Store, keys: JobKeys, node_id: str, *, successors: int, clock: Callable[[], float],
                  on_change: Callable[[], None]) -> None:
         self.store = store
         self.keys = keys
+        self.node_id = node_id
+        self.successors = successors
+        """How many ring successors this agent asks about (the member groups it reads follow)."""
         self.clock = clock
         self.on_change = on_change
         self.view = View(changed_at=clock(), waiting_since=clock())
-        """The job as this agent sees it; ``view.nodes`` is filled only while it watches the nodes."""
+        """The job as this agent sees it; ``view.round`` is a :class:`~ftrt.roster.LocalRound`;
+        ``view.nodes`` is filled only while it watches the nodes."""
         self.round_mod_revision = 0
-        """The round key's mod revision as last seen: writes fenced by the round compare it."""
+        """The mod revision of the round in ``view.round``: writes fenced by the round compare it."""
+        self._pending: tuple[RoundHeader, bytes, int] | None = None
+        """The newest round header seen and not yet in the view (its groups are being read)."""
+        self._shards: dict[tuple[int, int], tuple[Member, ...]] = {}
+        """Member groups read, by (group, round its shard was written in)."""
         self.masters: dict[int, MasterRecord] = {}
         self.decider: DeciderRecord | None = None
         """The decider the last election's winner announced (for logs and ``ftrt status``)."""
@@ -82,15 +95,19 @@ class JobView:
 
     # -- reading and watching ---------------------------------------------------------------------
     async def _resync(self) -> int:
-        """Re-read everything under ``rdzv/`` (at start and after the watch fell behind)."""
+        """Re-read everything under ``rdzv/`` (at start and after the watch fell behind). The
+        round in the view stays until the one read replaces it (no moment without a round)."""
         kvs, revision = await self.store.get_prefix(self.keys.rdzv)
         view = self.view
         view.requests.clear()
-        view.round, view.job = None, None
+        view.job = None
         self.masters.clear()
         self.decider = None
-        self.round_mod_revision = 0
         self._apply_all(kvs)
+        if not any(kv.key == self.keys.round for kv in kvs):
+            view.round, self.round_mod_revision, self._pending = None, 0, None
+        await self._settle()
+        self.on_change()
         return revision
 
     async def _resync_nodes(self) -> int:
@@ -100,13 +117,81 @@ class JobView:
         self.view.ready_since.clear()
         self.view.changed_at = self.clock()
         self._apply_all(kvs)
+        self.on_change()
         return revision
 
     def _apply_all(self, kvs) -> None:
         """Fold a read's key-values into the view as if they had just been put."""
         for kv in kvs:
             self.apply(WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.create_revision, kv.lease))
-        self.on_change()
+
+    # -- the round: header, then the member groups this agent needs ---------------------------------
+    async def resolve(self) -> None:
+        """Make the newest round header seen the view's round, once the groups this agent needs
+        are read. A header whose shards are gone was replaced; the newer one is on its way."""
+        while self._pending is not None:
+            pending = self._pending
+            header, raw, revision = pending
+            if revision <= self.round_mod_revision:
+                self._pending = None if self._pending is pending else self._pending
+                continue
+            loaded = {g: self._shards[(g, ref.shard)] for g, ref in enumerate(header.groups)
+                      if ref.count and (g, ref.shard) in self._shards}
+            while want := wanted_groups(header, loaded, self.node_id, self.successors, self._following_nodes):
+                got = await read_shards(self.store, self.keys, header, want)
+                if got is None:
+                    log.debug("round %d was replaced while its members were read", header.round)
+                    if self._pending is pending:
+                        return
+                    break
+                loaded.update(got)
+                self._shards.update({(g, header.groups[g].shard): ms for g, ms in got.items()})
+            else:
+                if self._pending is pending:
+                    self._pending = None
+                self._set_round(LocalRound(header, raw, loaded), revision)
+
+    async def _settle(self) -> None:
+        """:meth:`resolve`, retried while etcd fails (the view never freezes on a failed read)."""
+        while True:
+            try:
+                return await self.resolve()
+            except StoreError as exc:
+                log.warning("reading round members failed (%s); retrying", exc)
+                await asyncio.sleep(0.2)
+
+    def adopt(self, rnd: LocalRound, revision: int) -> None:
+        """Take a round this agent wrote itself (with every group) without reading it back."""
+        self._shards.update({(g, rnd.header.groups[g].shard): ms for g, ms in rnd.groups.items()})
+        self._set_round(rnd, revision)
+
+    async def ensure_complete(self) -> bool:
+        """Read every member group of the view's round (the decider's need); False when the
+        round was replaced meanwhile (the watch brings the new one, complete)."""
+        cur = self.view.round
+        if cur is None or cur.complete:
+            return True
+        want = wanted_groups(cur.header, cur.groups, self.node_id, self.successors, True)
+        got = await read_shards(self.store, self.keys, cur.header, want)
+        if got is None:
+            return False
+        self._shards.update({(g, cur.header.groups[g].shard): ms for g, ms in got.items()})
+        if self.view.round is cur:
+            self.view.round = LocalRound(cur.header, cur.raw, {**cur.groups, **got})
+        return self.view.round.complete
+
+    def _set_round(self, rnd: LocalRound, revision: int) -> None:
+        if revision <= self.round_mod_revision:
+            return  # an older header than the view's (the decider adopted its own write first)
+        view = self.view
+        now = self.clock()
+        view.round = rnd
+        self.round_mod_revision = revision
+        view.waiting_since = None if rnd.active else (view.waiting_since or now)
+        view.changed_at = now
+        named = {(g, ref.shard) for g, ref in enumerate(rnd.header.groups) if ref.count}
+        for key in [k for k in self._shards if k not in named]:
+            del self._shards[key]
 
     async def _watch(self, prefix: str, start: int, resync: Callable[[], "asyncio.Future[int]"]) -> None:
         while True:
@@ -116,6 +201,7 @@ class JobView:
                     for ev in batch:
                         self.apply(ev)
                     start = batch[-1].revision + 1
+                    await self._settle()
                     self.on_change()
             except WatchCompacted:
                 log.warning("watch on %s fell behind compaction; re-reading it", prefix)
@@ -138,7 +224,8 @@ class JobView:
     # -- folding changes in -----------------------------------------------------------------------
     def apply(self, ev: WatchEvent) -> None:
         """Fold one change into the view, stamping local times where membership moved (node
-        records only while :meth:`watch_nodes` follows them)."""
+        records only while :meth:`watch_nodes` follows them; a round header waits for
+        :meth:`resolve`)."""
         now = self.clock()
         key = ev.key
         view = self.view
@@ -147,10 +234,7 @@ class JobView:
                 self._apply_node(ev, now)
         elif key == self.keys.round:
             if ev.kind == "put":
-                view.round = decode(RoundRecord, ev.value)
-                self.round_mod_revision = ev.revision
-                view.waiting_since = None if view.round.active else (view.waiting_since or now)
-                view.changed_at = now
+                self._pending = (decode(RoundHeader, ev.value), ev.value, ev.revision)
         elif key == self.keys.decider:
             self.decider = None if ev.kind == "delete" else decode(DeciderRecord, ev.value)
         elif key.startswith(self.keys.requests):
@@ -178,7 +262,7 @@ class JobView:
                 view.ready_since.pop(node_id, None)
                 view.changed_at = now
             return
-        rec = dataclasses.replace(decode(NodeRecord, ev.value), lease=ev.lease, revision=ev.create_revision)
+        rec = decode(NodeRecord, ev.value, lease=ev.lease, revision=ev.create_revision)
         view.nodes[node_id] = rec
         if old is None or old.incarnation != rec.incarnation:
             view.ready_since.pop(node_id, None)

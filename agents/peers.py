@@ -24,16 +24,9 @@ from ftrt.v1 import agent_pb2, agent_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-def ring_successors(members: list[str], me: str, k: int = 2) -> list[str]:
-    """The ``k`` members after ``me`` in ring order (fewer if the ring is smaller)."""
-    if me not in members:
-        return []
-    i = members.index(me)
-    n = len(members)
-    out = []
-    for step in range(1, min(k, n - 1) + 1):
-        out.append(members[(i + step) % n])
-    return out
+MONITORED_PEERS = 2
+"""Each agent watches the liveness of this many ring successors (so a node's loss is seen by two
+peers, and still by one when its predecessor is lost with it)."""
 
 
 class PeerMonitor:

@@ -29,7 +29,8 @@ from ftrt.agents.decider import Decider
 from ftrt.agents.election import Election
 from ftrt.agents.jobview import JobView
 from ftrt.jobkeys import JobKeys
-from ftrt.records import DeciderRecord, MasterRecord, RestartRequest, RoundRecord, encode
+from ftrt.records import DeciderRecord, MasterRecord, RestartRequest, encode
+from ftrt.roster import LocalRound
 from ftrt.errors import LeaseLost, RoundChanged, StoreError
 from ftrt.store.api import Compare, Put, Store, WatchEvent
 
@@ -50,7 +51,8 @@ class Rendezvous:
     """One agent's part in its job's rendezvous. See the module docstring.
 
     ``registration`` tells the current lease and incarnation of this agent (they change when it
-    rejoins after losing its lease); its candidacy runs under that lease.
+    rejoins after losing its lease); its candidacy runs under that lease. ``successors``: how many
+    ring successors the agent asks the round about (peer monitoring, replicas).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class Rendezvous:
         clock: Callable[[], float] = time.monotonic,
         on_event: Callable[[str, str], None] | None = None,
         on_change: Callable[[], None] | None = None,
+        successors: int = 2,
     ) -> None:
         self.store = store
         self.keys = keys
@@ -73,7 +76,7 @@ class Rendezvous:
         self.clock = clock
         self.on_event = on_event or (lambda kind, msg: None)
         self.on_change = on_change or (lambda: None)
-        self.jobview = JobView(store, keys, clock=clock, on_change=self._changed)
+        self.jobview = JobView(store, keys, node_id, successors=successors, clock=clock, on_change=self._changed)
         self._wake = asyncio.Event()
         """Consumed by the loop only: the view changed, or a campaign ended."""
         self._election: Election | None = None
@@ -208,17 +211,17 @@ class Rendezvous:
         req = RestartRequest(self.node_id, rnd, kind, detail)  # type: ignore[arg-type]
         await self.store.txn(
             [Compare.mod_revision(self.keys.round, self.jobview.round_mod_revision),
-             Compare.value_is(self.keys.round, encode(cur))],
+             Compare.value_is(self.keys.round, cur.raw)],
             [Put(self.keys.request(self.node_id), encode(req))],
         )
         self._wake.set()
 
-    async def publish_master(self, rnd: RoundRecord, addr: str, port: int) -> None:
+    async def publish_master(self, rnd: LocalRound, addr: str, port: int) -> None:
         """Publish where round ``rnd``'s workers find their store; fails if the round moved on."""
         rec = MasterRecord(rnd.round, addr, port)
         res = await self.store.txn(
             [Compare.mod_revision(self.keys.round, self.jobview.round_mod_revision),
-             Compare.value_is(self.keys.round, encode(rnd))],
+             Compare.value_is(self.keys.round, rnd.raw)],
             [Put(self.keys.master(rnd.round), encode(rec))],
         )
         if not res.succeeded:

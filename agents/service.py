@@ -20,7 +20,7 @@ import grpc.aio
 from ftrt.agents.auth import JobToken
 from ftrt.agents.tls import PLAINTEXT, AgentTls
 from ftrt.agents.workers import Worker
-from ftrt.records import RoundRecord
+from ftrt.roster import LocalRound
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class AgentStatus:
     round: int
     """The round this node's workers run in (0 before the first)."""
     state: str
-    current: RoundRecord | None
+    current: LocalRound | None
     """The job's current round as the agent sees it."""
     workers: list[Worker]
     warm_workers: int

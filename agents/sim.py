@@ -31,7 +31,8 @@ import uuid
 from ftrt.agents.decide import RendezvousConfig
 from ftrt.jobkeys import JobKeys
 from ftrt.agents.membership import register
-from ftrt.records import NodeRecord, RoundRecord
+from ftrt.records import NodeRecord
+from ftrt.roster import LocalRound
 from ftrt.agents.rendezvous import Rendezvous
 from ftrt.agents.session import Session
 from ftrt.store.etcd import EtcdStore
@@ -44,14 +45,10 @@ class StandInWorkers:
         self.ranks: list[int] = []
         self.round = 0
 
-    def start(self, rnd: RoundRecord, node_id: str) -> list[int]:
-        first = 0
-        for m in rnd.members:
-            if m.node_id == node_id:
-                self.ranks, self.round = list(range(first, first + m.nproc)), rnd.round
-                return self.ranks
-            first += m.nproc
-        self.ranks, self.round = [], rnd.round
+    def start(self, rnd: LocalRound, node_id: str) -> list[int]:
+        me = rnd.member(node_id)
+        first = rnd.rank_offset(node_id) if me is not None else 0
+        self.ranks, self.round = list(range(first, first + (me.nproc if me else 0))), rnd.round
         return self.ranks
 
 

@@ -17,6 +17,7 @@ import time
 from ftrt.agents.events import recent_events
 from ftrt.jobkeys import JobKeys, check_id
 from ftrt.records import DeciderRecord, JobState, NodeRecord, RoundRecord, decode
+from ftrt.roster import load_round
 from ftrt.agents import tls as tls_flags
 from ftrt.agents.tls import PLAINTEXT, AgentTls
 from ftrt.store import access as etcd_access
@@ -41,7 +42,8 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
             nodes[rec.node_id] = rec
         for kv in res.results[1]:
             if kv.key == keys.round:
-                rnd = decode(RoundRecord, kv.value)
+                local = await load_round(store, keys, kv.value)
+                rnd = local.record() if local is not None else None
             elif kv.key == keys.state:
                 job = decode(JobState, kv.value)
             elif kv.key == keys.decider:
@@ -167,7 +169,10 @@ async def watch_status(endpoints: str, job_id: str, *, access: EtcdAccess = Etcd
                     except (ValueError, KeyError, TypeError):
                         continue
                 elif ev.key == keys.round:
-                    rnd = decode(RoundRecord, ev.value)
+                    local = await load_round(store, keys, ev.value)
+                    if local is None:
+                        continue
+                    rnd = local.record()
                     out(json.dumps({"round": dataclasses.asdict(rnd)}) if as_json else
                         f"round {rnd.round}: world size {rnd.world_size}, {len(rnd.members)} node(s) "
                         f"({', '.join(rnd.node_ids)}): {rnd.reason}")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from ftrt import envnames
 from ftrt.records import RoundRecord
+from ftrt.roster import LocalRound
 from ftrt.store.access import EtcdAccess
 
 
 def worker_env(
-    rnd: RoundRecord,
+    rnd: LocalRound | RoundRecord,
     *,
     node_id: str,
     local_rank: int,
@@ -45,7 +46,7 @@ def worker_env(
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(member.nproc),
         "GROUP_RANK": str(rnd.group_rank(node_id)),
-        "GROUP_WORLD_SIZE": str(len(rnd.members)),
+        "GROUP_WORLD_SIZE": str(rnd.node_count),
         "ROLE_NAME": "default",
         "ROLE_RANK": str(rank),
         "ROLE_WORLD_SIZE": str(world),

@@ -49,7 +49,7 @@ TORCHRUN_DEFAULT = {"last_call_timeout": 30, "keep_alive_interval": 5, "keep_ali
 def etcd_counters(endpoint: str) -> dict[str, float]:
     """Client requests, keep-alives and watch events so far, from etcd's /metrics."""
     text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
-    out = {"requests": 0.0, "keepalives": 0.0, "watch_events": 0.0}
+    out = {"requests": 0.0, "keepalives": 0.0, "watch_events": 0.0, "bytes_sent": 0.0, "bytes_received": 0.0}
     for line in text.splitlines():
         if line.startswith("#"):
             continue
@@ -64,7 +64,39 @@ def etcd_counters(endpoint: str) -> dict[str, float]:
                 out["requests"] += float(value)  # watch create/cancel requests on the streams
         elif name == "etcd_debugging_mvcc_events_total":
             out["watch_events"] += float(value)
+        elif name == "etcd_network_client_grpc_sent_bytes_total":
+            out["bytes_sent"] += float(value)
+        elif name == "etcd_network_client_grpc_received_bytes_total":
+            out["bytes_received"] += float(value)
     return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` used so far (all their threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(stat[11]) + int(stat[12])
+    return total / tick
+
+
+class CpuMeter:
+    """CPU seconds of the simulated nodes' processes and of etcd over one phase, beside its wall
+    time: how close the phase came to using every core of the machine."""
+
+    def __init__(self, sims: list[int], etcd: int | None) -> None:
+        self.sims, self.etcd = sims, [etcd] if etcd else []
+        self.t0, self.s0, self.e0 = time.monotonic(), cpu_seconds(self.sims), cpu_seconds(self.etcd)
+
+    def read(self) -> dict:
+        wall = time.monotonic() - self.t0
+        sim, etcd = cpu_seconds(self.sims) - self.s0, cpu_seconds(self.etcd) - self.e0
+        return {"wall_s": round(wall, 3), "sims_cpu_s": round(sim, 2), "etcd_cpu_s": round(etcd, 2),
+                "cores_busy": round((sim + etcd) / wall, 2) if wall else None}
 
 
 def _delta(a: dict, b: dict) -> dict:
@@ -122,47 +154,53 @@ def _slices(n: int, procs: int) -> list[tuple[int, int]]:
 
 
 # -- ftrt --------------------------------------------------------------------------------------------
-def run_ftrt(n: int, procs: int, endpoint: str, cap: float) -> dict:
+def run_ftrt(n: int, procs: int, endpoint: str, cap: float, lease_ttl: float = 5.0, etcd_pid: int | None = None) -> dict:
     job = f"scale{n}-{int(time.time() * 1000) % 10 ** 8}"
     events: queue.Queue = queue.Queue()
     slices = _slices(n, procs)
     ps = [Proc([sys.executable, "-m", "ftrt.agents.sim", "--etcd", endpoint, "--job-id", job, "--nodes", f"{lo}:{hi}",
-                "--max-nodes", str(n)], events) for lo, hi in slices]
+                "--max-nodes", str(n), "--lease-ttl", str(lease_ttl)], events) for lo, hi in slices]
     try:
         ready = _collect(events, lambda g: sum(e["event"] == "connected" for e in g) == len(ps), 120)
         if sum(e["event"] == "connected" for e in ready) < len(ps):
             raise RuntimeError("simulated nodes did not connect within 120 s")
         c0 = etcd_counters(endpoint)
+        cpu = CpuMeter([p.p.pid for p in ps], etcd_pid)
         t0 = time.time()
         for p in ps:
             p.send("join")
         got = _collect(events, lambda g: sum(e["event"] == "round" and e["world"] == n for e in g) >= n, cap)
+        join_cpu = cpu.read()
         c1 = etcd_counters(endpoint)
         agreed = [e["t"] for e in got if e["event"] == "round" and e["world"] == n]
         registered = [e["t"] for e in got if e["event"] == "registered"]
         ranks = sorted(r for e in got if e["event"] == "round" and e["world"] == n for r in e["ranks"])
-        out = {"system": "ftrt", "nodes": n, "procs": len(ps)}
+        out = {"system": "ftrt", "nodes": n, "procs": len(ps), "lease_ttl": lease_ttl, "notes": []}
         if len(agreed) < n:
             out["join_s"] = None
-            out["note"] = f"only {len(agreed)} of {n} nodes held the round within {cap:.0f} s"
+            out["notes"].append(f"join: only {len(agreed)} of {n} nodes held the round within {cap:.0f} s")
             return out
         assert ranks == list(range(n)), "every rank must be given exactly once"
         out.update(join_s=round(max(agreed) - t0, 3), after_last_join_s=round(max(agreed) - max(registered), 3),
-                   join_etcd=_delta(c0, c1))
+                   registered_s=round(max(registered) - t0, 3), first_held_s=round(min(agreed) - t0, 3),
+                   join_etcd=_delta(c0, c1), join_cpu=join_cpu)
         time.sleep(1.0)  # a quiet second between the phases
         victim = n // 2
         owner = next(i for i, (lo, hi) in enumerate(slices) if lo <= victim < hi)
         c2 = etcd_counters(endpoint)
+        cpu = CpuMeter([p.p.pid for p in ps], etcd_pid)
         ps[owner].send(f"kill sim{victim}")
         got = _collect(events, lambda g: sum(e["event"] == "round" and e["world"] == n - 1 for e in g) >= n - 1, cap)
+        loss_cpu = cpu.read()
         c3 = etcd_counters(endpoint)
         killed = [e["t"] for e in got if e["event"] == "killed"]
         after = [e["t"] for e in got if e["event"] == "round" and e["world"] == n - 1]
         if not killed or len(after) < n - 1:
             out["loss_s"] = None
-            out["note"] = f"only {len(after)} of {n - 1} survivors held the new round within {cap:.0f} s"
+            out["notes"].append(f"loss: only {len(after)} of {n - 1} survivors held the new round within {cap:.0f} s")
         else:
-            out.update(loss_s=round(max(after) - killed[0], 3), loss_etcd=_delta(c2, c3))
+            out.update(loss_s=round(max(after) - killed[0], 3), loss_first_held_s=round(min(after) - killed[0], 3),
+                       loss_etcd=_delta(c2, c3), loss_cpu=loss_cpu)
         time.sleep(1.0)
         for p in ps:
             p.send("kill-decider")
@@ -171,10 +209,11 @@ def run_ftrt(n: int, procs: int, endpoint: str, cap: float) -> dict:
         after = [e["t"] for e in got if e["event"] == "round" and e["world"] == n - 2]
         if not killed:
             out["decider_loss_s"] = None
-            out["note"] = "no simulated node was deciding when the decider was to be killed"
+            out["notes"].append("decider loss: no simulated node was deciding when the decider was to be killed")
         elif len(after) < n - 2:
             out["decider_loss_s"] = None
-            out["note"] = f"only {len(after)} of {n - 2} survivors held the round after the decider's loss"
+            out["notes"].append(f"decider loss: only {len(after)} of {n - 2} survivors held the round within "
+                                f"{cap:.0f} s")
         else:
             out.update(decider_loss_s=round(max(after) - killed[0]["t"], 3), decider=killed[0]["node"])
         return out
@@ -299,6 +338,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--cap", type=float, default=60.0, help="seconds a phase may take before it is recorded "
                    "as not finished (default 60)")
     p.add_argument("--out", default=None, help="JSON result path (default bench/results/rdzv-scale-<time>.json)")
+    p.add_argument("--lease-ttl", type=float, default=5.0,
+                   help="the simulated nodes' lease TTL (default 5, as ftrt launch). Every node's keep-alive runs "
+                        "on this machine's cores: a longer TTL keeps thousands of them from starving the rest")
     args = p.parse_args(argv)
     from ftrt.store.etcd_server import EtcdServer
 
@@ -308,7 +350,7 @@ def main(argv: list[str]) -> int:
     with EtcdServer(name="bench-scale", unsafe_no_fsync=True) as etcd:
         for n in sizes:
             procs = max(1, min(args.procs, n // 8))
-            r = run_ftrt(n, procs, etcd.endpoint, args.cap)
+            r = run_ftrt(n, procs, etcd.endpoint, args.cap, args.lease_ttl, etcd.proc.pid if etcd.proc else None)
             print(f"ftrt          {n:>4} nodes: {r}", flush=True)
             results.append(r)
             chosen = [k for name, k in (("best", TORCHRUN_BEST), ("default", TORCHRUN_DEFAULT))

@@ -19,7 +19,7 @@ import threading
 import time
 
 from ftrt.jobkeys import JobKeys
-from ftrt.records import RoundRecord, decode
+from ftrt.records import RoundHeader, decode
 from ftrt.errors import RoundChanged
 from ftrt.store.access import EtcdAccess
 from ftrt.store.api import Compare, Put
@@ -64,7 +64,7 @@ class LatestPointer:
 
         async def go(store):
             kv, _ = await store.get(self.keys.round)
-            current = decode(RoundRecord, kv.value).round if kv else 0
+            current = decode(RoundHeader, kv.value).round if kv else 0
             if current != self.round_no:
                 raise RoundChanged(
                     f"This worker runs in round {self.round_no} but the job is in round {current}; "
@@ -78,7 +78,7 @@ class LatestPointer:
 
         async def go(store):
             kv, _ = await store.get(self.keys.round)
-            current = decode(RoundRecord, kv.value).round if kv else 0
+            current = decode(RoundHeader, kv.value).round if kv else 0
             if kv is None or current != self.round_no:
                 raise RoundChanged(
                     f"Round {self.round_no} was replaced by round {current} before checkpoint step "

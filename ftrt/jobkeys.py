@@ -5,7 +5,8 @@
 records, the job's terminal state and the decider key (one watch per agent covers it). ``nodes/``
 holds one record per live agent; only the job's decider watches it, so a join costs O(1) watch
 events per agent, not O(N). ``election/`` holds the decider election's candidate slots; an
-agent watches one of them. Events and checkpoint pointers live beside them so their traffic
+agent watches one of them. ``roster/`` holds the rounds' members in group shards, which agents read
+(not watch) when the round header under ``rdzv/`` names a shard they need. Events and checkpoint pointers live beside them so their traffic
 wakes no rendezvous.
 """
 
@@ -71,6 +72,17 @@ class JobKeys:
     def election_slot(self, slot: int) -> str:
         """A candidate slot's key (fixed width, so no key is a prefix of another)."""
         return f"{self.election}slot-{slot:03d}"
+
+    @property
+    def roster(self) -> str:
+        """Prefix of the rounds' member shards (:mod:`ftrt.roster`), outside ``rdzv/``: an agent
+        reads the shards it needs; no write there wakes a watch."""
+        return f"{self.root}roster/"
+
+    def roster_shard(self, group: int, round_no: int) -> str:
+        """Group ``group``'s members as written in round ``round_no`` (fixed widths, so no key is
+        a prefix of another)."""
+        return f"{self.roster}g{group:03d}/{round_no:012d}"
 
     @property
     def requests(self) -> str:

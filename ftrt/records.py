@@ -1,7 +1,9 @@
 """The records agents keep in etcd, as plain frozen dataclasses with a JSON codec.
 
 - :class:`NodeRecord`: one per live agent, under its lease (``nodes/<node_id>``).
-- :class:`RoundRecord`: the current round (``rdzv/round``): members in rank order, world size.
+- :class:`RoundRecord`: a round as the decider decides it: members in rank order, world size.
+- :class:`RoundHeader`: what is stored at ``rdzv/round`` and every agent watches: the round without
+  its members, which live in group shards (:mod:`ftrt.roster`), with each group's size.
 - :class:`RestartRequest`: an agent asks for a new round because its workers failed or hung.
 - :class:`MasterRecord`: where round ``n``'s workers find their TCPStore (published by member 0).
 - :class:`JobState`: the job's terminal state once it has one.
@@ -14,6 +16,7 @@ and the chaos runner all read them, so they live outside ``agents/``.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Type, TypeVar
@@ -22,18 +25,31 @@ T = TypeVar("T")
 
 
 def encode(record: Any) -> bytes:
-    """Serialise a record dataclass to compact JSON bytes."""
-    return json.dumps(asdict(record), separators=(",", ":"), sort_keys=True).encode()
+    """Serialise a record dataclass to compact JSON bytes (a round header's groups as
+    ``[count, nproc, shard]`` triples: the header reaches every agent, so it is kept small)."""
+    data = asdict(record)
+    if isinstance(record, RoundHeader):
+        data["groups"] = [[g.count, g.nproc, g.shard] for g in record.groups]
+    return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
 
 
-def decode(cls: Type[T], raw: bytes) -> T:
-    """Parse JSON bytes into ``cls``, ignoring unknown fields (newer agents may add some)."""
+def decode(cls: Type[T], raw: bytes, **extra: Any) -> T:
+    """Parse JSON bytes into ``cls``, ignoring unknown fields (newer agents may add some);
+    ``extra`` sets fields that are not stored in the value (a node record's lease, revision)."""
     data = json.loads(raw)
-    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    names = _field_names(cls)
     data = {k: v for k, v in data.items() if k in names}
     if cls is RoundRecord:
         data["members"] = tuple(Member(**m) for m in data.get("members", ()))
+    elif cls is RoundHeader:
+        data["groups"] = tuple(GroupRef(*g) for g in data.get("groups", ()))
+    data.update(extra)
     return cls(**data)
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,15 @@ class RoundRecord:
     def node_ids(self) -> list[str]:
         return [m.node_id for m in self.members]
 
+    @property
+    def node_count(self) -> int:
+        return len(self.members)
+
+    @property
+    def first(self) -> str:
+        """Member 0's node id ("" in an empty round)."""
+        return self.members[0].node_id if self.members else ""
+
     def member(self, node_id: str) -> Member | None:
         for m in self.members:
             if m.node_id == node_id:
@@ -122,6 +147,46 @@ class RoundRecord:
                 return offset
             offset += m.nproc
         raise KeyError(node_id)
+
+
+@dataclass(frozen=True)
+class GroupRef:
+    """One member group of a round, as its header names it."""
+
+    count: int
+    """Members in the group."""
+    nproc: int
+    """Their processes (the group's share of the world size)."""
+    shard: int
+    """The round whose shard holds the group's members (written then, unchanged since); 0 when the
+    group is empty and has no shard."""
+
+
+@dataclass(frozen=True)
+class RoundHeader:
+    """A round as stored at ``rdzv/round``: everything but the members, which are in the group
+    shards it names (:mod:`ftrt.roster`). Small (a few bytes per group, not per member), so every
+    agent can watch it. Written only by compare-and-swap on the previous round."""
+
+    round: int
+    groups: tuple[GroupRef, ...]
+    first: str = ""
+    """Member 0's node id: its workers host the round's store."""
+    active: bool = True
+    restart_count: int = 0
+    faults: int = 0
+    reason: str = ""
+    created: float = 0.0
+    job_started: float = 0.0
+    writer: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return sum(g.nproc for g in self.groups)
+
+    @property
+    def node_count(self) -> int:
+        return sum(g.count for g in self.groups)
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ def test_member_back_with_new_incarnation_counts_as_lost_and_rejoins_as_newcomer
     # b's old incarnation is lost; the new one is a ready newcomer and there is room again.
     assert d.round.node_ids == ["a", "c", "b"]
     assert d.round.members[2].incarnation == "i1"
+    assert d.round.faults == R1.faults + 1  # agents rely on it: no fault counted, no member dropped
 
 
 def test_spare_replaces_a_lost_member_at_once():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ftrt.jobkeys import JobKeys
-from ftrt.records import Member, RoundRecord, encode
+from ftrt.records import GroupRef, RoundHeader, encode
 from ftrt.checkpoint import Checkpointer
 from ftrt.checkpoint.pointer import LatestPointer
 from ftrt.checkpoint.storage import step_dir
@@ -23,7 +23,7 @@ def set_round(endpoint: str, job: str, n: int) -> None:
     async def go():
         store = EtcdStore(endpoint)
         try:
-            rec = RoundRecord(round=n, members=(Member("a", "i", 1),))
+            rec = RoundHeader(round=n, groups=(GroupRef(1, 1, n),), first="a")
             await store.put(JobKeys(job).round, encode(rec))
         finally:
             await store.close()
