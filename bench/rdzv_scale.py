@@ -84,6 +84,15 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / tick
 
 
+def pin_process(pid: int, cores: list[int]) -> None:
+    """Restrict every thread of ``pid`` to ``cores`` (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except OSError:
+            continue  # a thread that ended meanwhile
+
+
 class CpuMeter:
     """CPU seconds of the simulated nodes' processes and of etcd over one phase, beside its wall
     time: how close the phase came to using every core of the machine."""
@@ -154,12 +163,16 @@ def _slices(n: int, procs: int) -> list[tuple[int, int]]:
 
 
 # -- ftrt --------------------------------------------------------------------------------------------
-def run_ftrt(n: int, procs: int, endpoint: str, cap: float, lease_ttl: float = 5.0, etcd_pid: int | None = None) -> dict:
+def run_ftrt(n: int, procs: int, endpoint: str, cap: float, lease_ttl: float = 5.0, etcd_pid: int | None = None,
+             pin: bool = False) -> dict:
     job = f"scale{n}-{int(time.time() * 1000) % 10 ** 8}"
     events: queue.Queue = queue.Queue()
     slices = _slices(n, procs)
     ps = [Proc([sys.executable, "-m", "ftrt.agents.sim", "--etcd", endpoint, "--job-id", job, "--nodes", f"{lo}:{hi}",
                 "--max-nodes", str(n), "--lease-ttl", str(lease_ttl)], events) for lo, hi in slices]
+    if pin:  # etcd keeps the first core to itself (see main); the simulated nodes share the rest
+        for p in ps:
+            pin_process(p.p.pid, sorted(os.sched_getaffinity(0))[1:])
     try:
         ready = _collect(events, lambda g: sum(e["event"] == "connected" for e in g) == len(ps), 120)
         if sum(e["event"] == "connected" for e in ready) < len(ps):
@@ -175,7 +188,7 @@ def run_ftrt(n: int, procs: int, endpoint: str, cap: float, lease_ttl: float = 5
         agreed = [e["t"] for e in got if e["event"] == "round" and e["world"] == n]
         registered = [e["t"] for e in got if e["event"] == "registered"]
         ranks = sorted(r for e in got if e["event"] == "round" and e["world"] == n for r in e["ranks"])
-        out = {"system": "ftrt", "nodes": n, "procs": len(ps), "lease_ttl": lease_ttl, "notes": []}
+        out = {"system": "ftrt", "nodes": n, "procs": len(ps), "lease_ttl": lease_ttl, "pinned": pin, "notes": []}
         if len(agreed) < n:
             out["join_s"] = None
             out["notes"].append(f"join: only {len(agreed)} of {n} nodes held the round within {cap:.0f} s")
@@ -341,16 +354,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--lease-ttl", type=float, default=5.0,
                    help="the simulated nodes' lease TTL (default 5, as ftrt launch). Every node's keep-alive runs "
                         "on this machine's cores: a longer TTL keeps thousands of them from starving the rest")
+    p.add_argument("--pin", action="store_true",
+                   help="give etcd the first core to itself and the simulated nodes the others (sched_setaffinity): "
+                        "shows which side the machine's cores bound")
     args = p.parse_args(argv)
     from ftrt.store.etcd_server import EtcdServer
+
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        p.error("--pin needs at least 2 cores")
 
     sizes = [int(s) for s in args.sizes.split(",")]
     tsizes = [int(s) for s in (args.torchrun_sizes or args.sizes).split(",")]
     results = []
     with EtcdServer(name="bench-scale", unsafe_no_fsync=True) as etcd:
+        if args.pin and etcd.proc is not None:
+            pin_process(etcd.proc.pid, [min(os.sched_getaffinity(0))])
         for n in sizes:
             procs = max(1, min(args.procs, n // 8))
-            r = run_ftrt(n, procs, etcd.endpoint, args.cap, args.lease_ttl, etcd.proc.pid if etcd.proc else None)
+            r = run_ftrt(n, procs, etcd.endpoint, args.cap, args.lease_ttl, etcd.proc.pid if etcd.proc else None,
+                         pin=args.pin)
             print(f"ftrt          {n:>4} nodes: {r}", flush=True)
             results.append(r)
             chosen = [k for name, k in (("best", TORCHRUN_BEST), ("default", TORCHRUN_DEFAULT))

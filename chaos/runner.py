@@ -388,11 +388,11 @@ def _scan_checkpoints(url: str, storage_options: dict | None, damaged: set[int])
     verified: dict[int, str | None] = {}
     for step in steps:
         try:
-            m = mf.read_manifest(loc, step_dir(step))
+            mf.read_manifest(loc, step_dir(step))
         except CheckpointCorrupt:
             continue  # not committed: does not exist for restore
         try:
-            mf.verify_files(loc, step_dir(step), m, sorted(m.files))
+            mf.verify_step(loc, step_dir(step))
             verified[step] = None
         except CheckpointCorrupt as exc:
             verified[step] = str(exc)

@@ -93,14 +93,14 @@ def _act(args: argparse.Namespace, loc, key, latest: int | None) -> int:
         step = committed[-1]
     if step not in steps:
         raise ConfigError(f"There is no checkpoint step {step} under {args.url} (steps: {steps or 'none'}).")
-    m = mf.read_manifest(loc, step_dir(step), key)
     if args.action == "inspect":
+        m = mf.read_manifest(loc, step_dir(step), key)
         body = json.loads(m.to_json())
         body["total_bytes"] = m.total_bytes
         print(json.dumps(body, indent=2))
         return 0
     t0 = time.monotonic()
-    mf.verify_files(loc, step_dir(step), m, sorted(m.files))
+    m = mf.verify_step(loc, step_dir(step), key)
     signed = f", signature valid under {key.where}" if key is not None else (
         ", signed (no key given to check it)" if m.signature else ", unsigned")
     print(f"step {step}: {len(m.files)} files, {_human(m.total_bytes)}, all sizes and {m.checksum} sums match"

@@ -162,6 +162,17 @@ def verify_files(loc: Location, folder: str, manifest: Manifest, names: Iterable
             )
 
 
+def verify_step(loc: Location, folder: str, key: CheckpointKey | None = None) -> Manifest:
+    """The one check of a stored step, as ``ftrt ckpt verify`` and the chaos invariants make it: its
+    manifest is read (and its signature checked when ``key`` is given), then every file it lists
+    must exist with its size and checksum. Restore makes the same check with the files shared
+    out over the ranks (:func:`verify_files` on each rank's share). Raises
+    :class:`CheckpointCorrupt` with the first reason found."""
+    manifest = read_manifest(loc, folder, key)
+    verify_files(loc, folder, manifest, sorted(manifest.files))
+    return manifest
+
+
 def read_manifest(loc: Location, folder: str, key: CheckpointKey | None = None) -> Manifest:
     """Read and parse a folder's manifest; :class:`CheckpointCorrupt` if absent or invalid, or
     (with ``key``) not signed under it."""

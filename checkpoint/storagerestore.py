@@ -120,7 +120,9 @@ class StorageRestore:
         return None
 
     def _verify(self, folder: str) -> str | None:
-        """None if the checkpoint verifies on every rank, else the first reason found."""
+        """None if the checkpoint verifies on every rank, else the first reason found: the check of
+        :func:`~ftrt.checkpoint.manifest.verify_step`, with the manifest read once (rank 0) and
+        the files shared out over the ranks."""
         g = self._group
         found: Any
         if g.rank == 0:
