@@ -24,7 +24,10 @@ workers fail (that detection is not counted), until the last returns. Sizes wher
 finish within ``--cap`` seconds are reported as such.
 
 Both run on the same 2 cores, with every simulated node's client work on them too: the numbers
-are pessimistic for both, and compared side by side.
+are pessimistic for both, and compared side by side. Each ftrt phase also records the CPU seconds
+of etcd and of the simulated nodes' processes (``cores_busy``: how much of the machine it used) and
+etcd's bytes sent; ``--pin`` gives etcd a core of its own to show which side bounds a phase.
+``FTRT_BENCH_ETCD_LOG=PATH`` keeps etcd's log.
 """
 
 from __future__ import annotations
@@ -366,7 +369,7 @@ def main(argv: list[str]) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     tsizes = [int(s) for s in (args.torchrun_sizes or args.sizes).split(",")]
     results = []
-    with EtcdServer(name="bench-scale", unsafe_no_fsync=True) as etcd:
+    with EtcdServer(name="bench-scale", unsafe_no_fsync=True, log_path=os.environ.get("FTRT_BENCH_ETCD_LOG")) as etcd:
         if args.pin and etcd.proc is not None:
             pin_process(etcd.proc.pid, [min(os.sched_getaffinity(0))])
         for n in sizes:
