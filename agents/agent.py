@@ -47,6 +47,7 @@ from ftrt.agents.fence import FenceWriter
 from ftrt.agents.health import find_hung
 from ftrt.agents.membership import Membership
 from ftrt.agents.peers import MONITORED_PEERS, PeerMonitor
+from ftrt.agents.tls import PeerChannels
 from ftrt.agents.rendezvous import Rendezvous
 from ftrt.agents.replicator import Replicator
 from ftrt.agents.service import AgentServicer, AgentStatus, bind_server, serve
@@ -177,6 +178,7 @@ class AgentParts:
     membership: Membership
     rdzv: Rendezvous
     monitor: PeerMonitor
+    channels: PeerChannels
 
 
 async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store: Store | None = None,
@@ -214,7 +216,9 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
             "fix --etcd, or use --standalone for a single-node job."
         ) from exc
     token = await job_token(store, keys)
-    replicator = Replicator(cfg.node_id, early.mem_dir, token, cfg.replica_interval, cfg.agent_tls)
+    channels = PeerChannels(cfg.agent_tls)
+    stack.push_async_callback(channels.close)  # after the replicator and the monitor (closed first)
+    replicator = Replicator(cfg.node_id, early.mem_dir, token, cfg.replica_interval, channels)
     stack.push_async_callback(replicator.close)
     metrics = metrics_for(cfg.metrics_port is not None, cfg.node_id,
                           etcd_errors=lambda: getattr(store, "errors", 0), replicas=replicator.replicated)
@@ -239,7 +243,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
             join_timeout_s=cfg.join_timeout, max_restarts=cfg.max_restarts,
         ),
         registration=membership.registration, on_event=lambda kind, msg: events.emit(kind, msg),
-        on_change=inbox.poke, successors=max(MONITORED_PEERS, cfg.replicas),
+        on_change=inbox.poke, successors=max(MONITORED_PEERS, cfg.replicas) + 1,
     )
     stack.push_async_callback(rdzv.close)
     pool = WorkerPool(
@@ -256,7 +260,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
         pool.adopt_template(*template)
     pool.fill_spares()
     monitor = PeerMonitor(cfg.node_id, _peer_death_handler(rdzv, store, metrics, events, alog),
-                          cfg.peer_check_interval, cfg.agent_tls)
+                          cfg.peer_check_interval, channels)
     stack.push_async_callback(monitor.close)
     if cfg.metrics_port is not None:
         from ftrt.agents.metrics import serve as serve_metrics
@@ -269,7 +273,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
         cfg=cfg, keys=keys, node=node, log=alog, host=host, endpoints=endpoints, agent_addr=agent_addr,
         store=store, fence=early.fence, round_end=early.round_end, mem_dir=early.mem_dir, token=token,
         metrics=metrics, events=events, replicator=replicator, inbox=inbox, pool=pool, membership=membership,
-        rdzv=rdzv, monitor=monitor,
+        rdzv=rdzv, monitor=monitor, channels=channels,
     ), server
 
 
@@ -343,6 +347,7 @@ class Agent:
         self.inbox = parts.inbox
         self._events = parts.events
         self._monitor = parts.monitor
+        self._channels = parts.channels
         self._fence = parts.fence
         self._round_end = parts.round_end
         self._worker_record: LocalRound | None = None  # the round this node's workers run in
@@ -642,12 +647,19 @@ class Agent:
             seen = self.inbox.version
 
     def _update_peers(self) -> None:
-        """Monitor this node's ring successors and replicate to the first ``--replicas`` of them."""
+        """Monitor this node's ring successors and replicate to the first ``--replicas`` of them;
+        keep a channel dialled to the next successor too, the one that takes a lost neighbour's
+        place (no handshake on the recovery's path)."""
         rnd = self.rdzv.view.round
-        after = rnd.successors(self.cfg.node_id, max(MONITORED_PEERS, self.cfg.replicas)) if rnd is not None else []
+        used = max(MONITORED_PEERS, self.cfg.replicas)
+        after = rnd.successors(self.cfg.node_id, used + 1) if rnd is not None else []
         running = self.state is AgentState.RUNNING
         self._monitor.watch({m.node_id: m.agent_addr for m in after[:MONITORED_PEERS] if running and m.agent_addr})
         self.replicator.set_peers([m.agent_addr for m in after[:self.cfg.replicas] if m.agent_addr])
+        addrs = [m.agent_addr for m in after if m.agent_addr]
+        self._channels.keep(addrs)
+        for addr in addrs[used:]:
+            self._channels.dial(addr)
 
 
 async def main(cfg: LaunchConfig, early: EarlyStart | None = None, store: Store | None = None) -> int:

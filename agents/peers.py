@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 
 from ftrt.agents.membership import tcp_refused
-from ftrt.agents.tls import PLAINTEXT, AgentTls
+from ftrt.agents.tls import PLAINTEXT, PeerChannels
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -37,10 +37,11 @@ class PeerMonitor:
         node_id: str,
         on_dead: Callable[[str, str], Awaitable[None]],
         interval: float = 0.5,
-        tls: AgentTls = PLAINTEXT,
+        channels: PeerChannels | None = None,
     ) -> None:
         self.node_id = node_id
-        self.tls = tls
+        self.channels = channels if channels is not None else PeerChannels(PLAINTEXT)
+        """Where the streams' channels come from (shared with replication, kept across rounds)."""
         self.on_dead = on_dead
         self.interval = interval
         self._tasks: dict[tuple[str, str], asyncio.Task] = {}
@@ -59,13 +60,10 @@ class PeerMonitor:
         warned_tls = False
         while True:
             try:
-                async with self.tls.channel(addr) as channel:
-                    stub = agent_pb2_grpc.AgentServiceStub(channel)
-                    call = stub.Liveness(
-                        agent_pb2.LivenessRequest(from_node_id=self.node_id, interval_s=self.interval)
-                    )
-                    async for _ in call:
-                        pass
+                stub = agent_pb2_grpc.AgentServiceStub(self.channels.get(addr))
+                call = stub.Liveness(agent_pb2.LivenessRequest(from_node_id=self.node_id, interval_s=self.interval))
+                async for _ in call:
+                    pass
             except grpc.aio.AioRpcError as exc:
                 if "andshake" in (exc.details() or "") and warned_tls is False:
                     warned_tls = True  # death is then seen only when the lease expires: say why, once

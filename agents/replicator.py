@@ -35,7 +35,7 @@ import grpc.aio
 
 from ftrt.agents.auth import JobToken
 from ftrt.jobkeys import check_id
-from ftrt.agents.tls import PLAINTEXT, AgentTls
+from ftrt.agents.tls import PLAINTEXT, PeerChannels
 from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
 from ftrt.checkpoint.memindex import check_index
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
@@ -70,9 +70,10 @@ class Replicator:
     ring successors in the current round), each over its own :class:`_PeerLink`."""
 
     def __init__(self, node_id: str, mem_dir: str, token: JobToken, interval: float = 0.0,
-                 tls: AgentTls = PLAINTEXT) -> None:
+                 channels: PeerChannels | None = None) -> None:
         self.node_id = node_id
-        self.tls = tls
+        self.channels = channels if channels is not None else PeerChannels(PLAINTEXT)
+        """Where the links' channels come from (shared with the liveness streams, kept across rounds)."""
         self.mem_dir = mem_dir
         self.token = token
         self.interval = interval
@@ -146,8 +147,9 @@ class _PeerLink:
         self.sends: dict[int, int] = {}
         """Copies sent to this peer, per rank."""
         self.last_sent: dict[int, int] = {}
-        self._channel = owner.tls.channel(peer)
-        """One channel to the peer, kept across sends (a new one per send cost milliseconds)."""
+        self._channel = owner.channels.get(peer)
+        """The channel to the peer, kept across sends (a new one per send cost milliseconds) and
+        owned by :class:`~ftrt.agents.tls.PeerChannels`."""
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"replicate-to-{peer}")
 
     def notify_all(self) -> None:
@@ -221,7 +223,6 @@ class _PeerLink:
     async def close(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
-        await self._channel.close()
 
 
 def _read_crc(f, n: int, crc: int) -> tuple[bytes, int]:

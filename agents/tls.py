@@ -13,8 +13,10 @@ pipes, not the network, so they need nothing.
 from __future__ import annotations
 
 import argparse
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import grpc
 import grpc.aio
@@ -61,10 +63,13 @@ class AgentTls:
         """A channel to the agent at ``addr``: mutual TLS when enabled, else plaintext."""
         if not self.enabled:
             return grpc.aio.insecure_channel(addr)
-        creds = grpc.ssl_channel_credentials(root_certificates=read_file("--tls-ca", self.ca),
-                                             private_key=read_file("--tls-key", self.key),
-                                             certificate_chain=read_file("--tls-cert", self.cert))
-        return grpc.aio.secure_channel(addr, creds)
+        return grpc.aio.secure_channel(addr, self.channel_credentials())
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """This node's certificate and the job's CA, for channels to other agents."""
+        return grpc.ssl_channel_credentials(root_certificates=read_file("--tls-ca", self.ca),
+                                            private_key=read_file("--tls-key", self.key),
+                                            certificate_chain=read_file("--tls-cert", self.cert))
 
     def flags(self) -> list[str]:
         return [x for flag, v in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca))
@@ -72,6 +77,50 @@ class AgentTls:
 
 
 PLAINTEXT = AgentTls()
+
+
+class PeerChannels:
+    """One channel per peer agent address, shared by the liveness streams and the replication links
+    and kept across rounds. With mutual TLS every new channel costs a handshake on both sides, and
+    a round change after a fault is exactly when an agent's neighbours change: kept channels (a
+    successor monitored before it becomes the replication target) and pre-dialled ones (the next
+    node after the neighbours, :meth:`dial`) take the handshakes off the recovery's path.
+    gRPC channels reconnect on their own, so a kept channel outlives a peer's restart."""
+
+    def __init__(self, tls: AgentTls) -> None:
+        self.tls = tls
+        self._creds = tls.channel_credentials() if tls.enabled else None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task] = set()
+
+    def get(self, addr: str) -> grpc.aio.Channel:
+        """The channel to ``addr`` (made on first use; not connected until used or dialled)."""
+        channel = self._channels.get(addr)
+        if channel is None:
+            channel = (grpc.aio.secure_channel(addr, self._creds) if self._creds is not None
+                       else grpc.aio.insecure_channel(addr))
+            self._channels[addr] = channel
+        return channel
+
+    def dial(self, addr: str) -> None:
+        """Connect to ``addr`` now (the handshake happens in the background), before it is needed."""
+        self.get(addr).get_state(try_to_connect=True)
+
+    def keep(self, addrs: Iterable[str]) -> None:
+        """Close the channels to every address not in ``addrs`` (nobody uses them any more)."""
+        wanted = set(addrs)
+        for addr in [a for a in self._channels if a not in wanted]:
+            task = asyncio.get_running_loop().create_task(self._channels.pop(addr).close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._channels)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels), *self._closing, return_exceptions=True)
 
 
 def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
