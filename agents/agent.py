@@ -243,7 +243,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
             join_timeout_s=cfg.join_timeout, max_restarts=cfg.max_restarts,
         ),
         registration=membership.registration, on_event=lambda kind, msg: events.emit(kind, msg),
-        on_change=inbox.poke, successors=max(MONITORED_PEERS, cfg.replicas) + 1,
+        on_change=inbox.poke, successors=neighbours(cfg) + 1,
     )
     stack.push_async_callback(rdzv.close)
     pool = WorkerPool(
@@ -275,6 +275,12 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
         metrics=metrics, events=events, replicator=replicator, inbox=inbox, pool=pool, membership=membership,
         rdzv=rdzv, monitor=monitor, channels=channels,
     ), server
+
+
+def neighbours(cfg: LaunchConfig) -> int:
+    """How many ring successors an agent works with: the peers it monitors and those it replicates
+    to (it also keeps a channel dialled to the one after them)."""
+    return max(MONITORED_PEERS, cfg.replicas)
 
 
 def _report_handler(metrics: Metrics, events: EventLog, alog: logging.LoggerAdapter):
@@ -651,8 +657,12 @@ class Agent:
         keep a channel dialled to the next successor too, the one that takes a lost neighbour's
         place (no handshake on the recovery's path)."""
         rnd = self.rdzv.view.round
-        used = max(MONITORED_PEERS, self.cfg.replicas)
-        after = rnd.successors(self.cfg.node_id, used + 1) if rnd is not None else []
+        used = neighbours(self.cfg)
+        try:  # the rendezvous reads the groups of used + 1 successors (see assemble)
+            after = rnd.successors(self.cfg.node_id, used + 1) if rnd is not None else []
+        except NotLoaded as exc:
+            self.log.error("cannot find this node's peers: %s", exc)
+            return
         running = self.state is AgentState.RUNNING
         self._monitor.watch({m.node_id: m.agent_addr for m in after[:MONITORED_PEERS] if running and m.agent_addr})
         self.replicator.set_peers([m.agent_addr for m in after[:self.cfg.replicas] if m.agent_addr])

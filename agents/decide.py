@@ -185,7 +185,10 @@ def decide_round(now: float, view: View, cfg: RendezvousConfig) -> Decision:
             if now < ready_at and len(pool) < cfg.max_nodes:
                 return Decision(Action.WAIT, "settling joins", wake_at=ready_at)
             members = pool[: cfg.max_nodes]
-            new = _next_round(cur, members, cfg, f"back to {len(members)} nodes", cur.restart_count)
+            # A member lost while the job waited is dropped here: that counts as a fault, as every
+            # round that drops a member does (agents tell a pure join by an unchanged count).
+            dropped = any(not _alive(view, m) for m in cur.members)
+            new = _next_round(cur, members, cfg, f"back to {len(members)} nodes", cur.restart_count, fault=dropped)
             return Decision(Action.WRITE_ROUND, new.reason, round=new)
         return _below_min(now, view, cfg, len(pool))
 

@@ -22,7 +22,7 @@ from typing import Callable
 from ftrt.agents.decide import View
 from ftrt.jobkeys import JobKeys
 from ftrt.records import DeciderRecord, JobState, MasterRecord, Member, NodeRecord, RestartRequest, RoundHeader, decode
-from ftrt.roster import LocalRound, read_shards, wanted_groups
+from ftrt.roster import LocalRound, decode_header, read_shards, wanted_groups
 from ftrt.errors import StoreError, WatchCompacted
 from ftrt.store.api import Store, WatchEvent
 
@@ -60,7 +60,7 @@ class JobView:
 
     async def start(self) -> None:
         revision = await self._resync()
-        self._tasks = [asyncio.create_task(self._watch(self.keys.rdzv, revision + 1, self._resync),
+        self._tasks = [asyncio.create_task(self._watch(self.keys.rdzv, revision + 1, self._resync, settle=True),
                                            name="rdzv-watch")]
 
     async def close(self) -> None:
@@ -103,6 +103,7 @@ class JobView:
         view.job = None
         self.masters.clear()
         self.decider = None
+        self.round_mod_revision = 0  # the round read replaces the view's (etcd may have been restored)
         self._apply_all(kvs)
         if not any(kv.key == self.keys.round for kv in kvs):
             view.round, self.round_mod_revision, self._pending = None, 0, None
@@ -139,13 +140,15 @@ class JobView:
                       if ref.count and (g, ref.shard) in self._shards}
             while want := wanted_groups(header, loaded, self.node_id, self.successors, self._following_nodes):
                 got = await read_shards(self.store, self.keys, header, want)
-                if got is None:
-                    log.debug("round %d was replaced while its members were read", header.round)
-                    if self._pending is pending:
-                        return
-                    break
-                loaded.update(got)
-                self._shards.update({(g, header.groups[g].shard): ms for g, ms in got.items()})
+                self._shards.update({(g, header.groups[g].shard): ms for g, ms in got.found.items()})
+                if got.unreadable:
+                    if self._pending is not pending:
+                        break  # a newer round came meanwhile (most often why a shard is gone)
+                    (log.error if got.damaged else log.info)(
+                        "round %d cannot be taken yet (%s); waiting for the next round",
+                        header.round, "; ".join(got.unreadable.values()))
+                    return
+                loaded.update(got.found)
             else:
                 if self._pending is pending:
                     self._pending = None
@@ -173,11 +176,19 @@ class JobView:
             return True
         want = wanted_groups(cur.header, cur.groups, self.node_id, self.successors, True)
         got = await read_shards(self.store, self.keys, cur.header, want)
-        if got is None:
-            return False
-        self._shards.update({(g, cur.header.groups[g].shard): ms for g, ms in got.items()})
+        self._shards.update({(g, cur.header.groups[g].shard): ms for g, ms in got.found.items()})
+        groups = {**cur.groups, **got.found}
+        if got.unreadable:
+            kv, _ = await self.store.get(self.keys.round)
+            if kv is None or kv.mod_revision != self.round_mod_revision:
+                return False  # replaced: the watch brings the new round, complete
+            # The current round's shard is gone or damaged: decide as if that group had no
+            # members. They are registered nodes, so the next round takes them back as newcomers.
+            log.error("round %d: %s; the members of group(s) %s count as newcomers", cur.round,
+                      "; ".join(got.unreadable.values()), ",".join(map(str, sorted(got.unreadable))))
+            groups.update({g: () for g in got.unreadable})
         if self.view.round is cur:
-            self.view.round = LocalRound(cur.header, cur.raw, {**cur.groups, **got})
+            self.view.round = LocalRound(cur.header, cur.raw, groups)
         return self.view.round.complete
 
     def _set_round(self, rnd: LocalRound, revision: int) -> None:
@@ -193,7 +204,10 @@ class JobView:
         for key in [k for k in self._shards if k not in named]:
             del self._shards[key]
 
-    async def _watch(self, prefix: str, start: int, resync: Callable[[], "asyncio.Future[int]"]) -> None:
+    async def _watch(self, prefix: str, start: int, resync: Callable[[], "asyncio.Future[int]"], *,
+                     settle: bool = False) -> None:
+        """Follow ``prefix`` from revision ``start``; ``settle``: this watch carries the round header,
+        so a batch is folded in only once the round's groups are read."""
         while True:
             it = self.store.watch_prefix(prefix, start)
             try:
@@ -201,7 +215,8 @@ class JobView:
                     for ev in batch:
                         self.apply(ev)
                     start = batch[-1].revision + 1
-                    await self._settle()
+                    if settle:
+                        await self._settle()
                     self.on_change()
             except WatchCompacted:
                 log.warning("watch on %s fell behind compaction; re-reading it", prefix)
@@ -220,6 +235,9 @@ class JobView:
                 except StoreError as exc:
                     log.warning("re-reading %s failed (%s); retrying", prefix, exc)
                     await asyncio.sleep(0.2)
+                except Exception:  # noqa: BLE001 - nor does a surprise end the watch
+                    log.exception("re-reading %s failed unexpectedly; retrying", prefix)
+                    await asyncio.sleep(1.0)
 
     # -- folding changes in -----------------------------------------------------------------------
     def apply(self, ev: WatchEvent) -> None:
@@ -234,7 +252,10 @@ class JobView:
                 self._apply_node(ev, now)
         elif key == self.keys.round:
             if ev.kind == "put":
-                self._pending = (decode(RoundHeader, ev.value), ev.value, ev.revision)
+                try:
+                    self._pending = (decode_header(ev.value), ev.value, ev.revision)
+                except ValueError as exc:
+                    log.error("ignoring the value of %s: %s", key, exc)
         elif key == self.keys.decider:
             self.decider = None if ev.kind == "delete" else decode(DeciderRecord, ev.value)
         elif key.startswith(self.keys.requests):

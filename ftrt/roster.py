@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from ftrt.errors import StoreError
-from ftrt.jobkeys import JobKeys
+from ftrt.jobkeys import JobKeys, check_id
 from ftrt.records import GroupRef, Member, RoundHeader, RoundRecord, decode, encode
 from ftrt.store.api import Delete, Get, Put, Store
 
@@ -65,9 +65,27 @@ def encode_shard(members: Iterable[Member]) -> bytes:
 
 
 def decode_shard(raw: bytes) -> tuple[Member, ...]:
-    """Parse a group shard's value (see :func:`encode_shard`)."""
-    return tuple(Member(str(r[0]), str(r[1]), int(r[2]), agent_addr=str(r[3]), lease=int(r[4]))
-                 for r in json.loads(raw)["members"])
+    """Parse a group shard's value (see :func:`encode_shard`); ValueError if it is not one."""
+    try:
+        rows = json.loads(raw)["members"]
+        members = tuple(Member(check_id("node id", r[0]), str(r[1]), int(r[2]), agent_addr=str(r[3]),
+                               lease=int(r[4])) for r in rows)
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"not a member list ({exc})") from None
+    if any(m.nproc < 1 for m in members):
+        raise ValueError("a member has fewer than 1 process")
+    return members
+
+
+def check_shard(members: tuple[Member, ...], header: RoundHeader, group: int) -> None:
+    """ValueError unless ``members`` are what ``header`` says group ``group`` holds."""
+    ref = header.groups[group]
+    if len(members) != ref.count or sum(m.nproc for m in members) != ref.nproc:
+        raise ValueError(f"it lists {len(members)} members with {sum(m.nproc for m in members)} processes, the "
+                         f"round's header {ref.count} with {ref.nproc}")
+    stray = [m.node_id for m in members if group_of(m.node_id, len(header.groups)) != group]
+    if stray:
+        raise ValueError(f"it lists {', '.join(stray[:3])} of another group")
 
 
 class LocalRound:
@@ -266,20 +284,41 @@ def _row(m: Member) -> tuple:
     return m.node_id, m.incarnation, m.nproc, m.agent_addr, m.lease
 
 
-async def read_shards(store: Store, keys: JobKeys, header: RoundHeader,
-                      groups: Iterable[int]) -> dict[int, tuple[Member, ...]] | None:
-    """Read the shards ``header`` names for ``groups`` in one request; None when one is gone (a
-    newer round replaced it: its header is on its way)."""
+@dataclass(frozen=True)
+class ShardRead:
+    """What :func:`read_shards` found: the groups read, and why the others could not be."""
+
+    found: dict[int, tuple[Member, ...]]
+    unreadable: dict[int, str]
+    """Group -> why: its shard is gone (most often a newer round replaced it) or damaged."""
+
+    @property
+    def damaged(self) -> bool:
+        return any(not why.startswith("missing") for why in self.unreadable.values())
+
+
+async def read_shards(store: Store, keys: JobKeys, header: RoundHeader, groups: Iterable[int]) -> ShardRead:
+    """Read the shards ``header`` names for ``groups`` in one request, each checked against the
+    header (what comes from etcd is not trusted)."""
     wanted = sorted(set(groups))
     if not wanted:
-        return {}
+        return ShardRead({}, {})
     res = await store.txn([], [Get(keys.roster_shard(g, header.groups[g].shard)) for g in wanted])
-    out: dict[int, tuple[Member, ...]] = {}
+    found: dict[int, tuple[Member, ...]] = {}
+    unreadable: dict[int, str] = {}
     for g, kvs in zip(wanted, res.results):
+        key = keys.roster_shard(g, header.groups[g].shard)
         if not kvs:
-            return None
-        out[g] = decode_shard(kvs[0].value)
-    return out
+            unreadable[g] = f"missing: {key} is gone"
+            continue
+        try:
+            members = decode_shard(kvs[0].value)
+            check_shard(members, header, g)
+        except ValueError as exc:
+            unreadable[g] = f"damaged: {key}: {exc}"
+            continue
+        found[g] = members
+    return ShardRead(found, unreadable)
 
 
 async def load_round(store: Store, keys: JobKeys, raw: bytes | None = None) -> LocalRound | None:
@@ -292,9 +331,29 @@ async def load_round(store: Store, keys: JobKeys, raw: bytes | None = None) -> L
             if kv is None:
                 return None
             raw = kv.value
-        header = decode(RoundHeader, raw)
-        shards = await read_shards(store, keys, header, (g for g, ref in enumerate(header.groups) if ref.count))
-        if shards is not None:
-            return LocalRound(header, raw, shards)
-        raw = None  # replaced while we read it: read the new one
+        try:
+            header = decode_header(raw)
+        except ValueError as exc:
+            raise StoreError(f"Job {keys.job_id}: {exc}.") from None
+        got = await read_shards(store, keys, header, (g for g, ref in enumerate(header.groups) if ref.count))
+        if not got.unreadable:
+            return LocalRound(header, raw, got.found)
+        kv, _rev = await store.get(keys.round)
+        if kv is not None and kv.value == raw:
+            raise StoreError(f"Round {header.round} of job {keys.job_id} cannot be read: "
+                             + "; ".join(got.unreadable.values()) + ".")
+        raw = kv.value if kv is not None else None  # replaced while we read it: read the new one
     raise StoreError(f"The round of job {keys.job_id} kept changing while it was read; try again.")
+
+
+def decode_header(raw: bytes) -> RoundHeader:
+    """Parse the round key's value; ValueError when it is not a round header (a damaged value, or
+    a round record of an ftrt from before group shards: its agents cannot share a job with these)."""
+    try:
+        header = decode(RoundHeader, raw)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"the round key does not hold a round header ({exc})") from None
+    if not header.groups:
+        raise ValueError("the round key holds a round without member groups, as ftrt wrote before group shards; "
+                         "run every agent of a job with the same ftrt version (restart the job)")
+    return header

@@ -197,3 +197,13 @@ def test_faults_are_counted_across_rounds_but_joins_are_not():
     assert failed.faults == 3
     joined = decide_round(5.0, view_of(A, B, D, round_=replace(r, members=(member(A), member(B)))), CFG).round
     assert "admitted d" in joined.reason and joined.faults == 2 and joined.job_started == 100.0
+
+
+def test_a_member_lost_while_the_job_waits_counts_as_a_fault_when_the_job_resumes():
+    waiting = RoundRecord(2, (member(A), member(B)), active=False, faults=1)
+    cfg = replace(CFG, min_nodes=2)
+    back = decide_round(5.0, view_of(A, C, round_=waiting, changed_at=0.0), cfg)
+    assert back.action is Action.WRITE_ROUND and back.round.active
+    assert back.round.faults == 2  # b was dropped: not a pure join, whatever the agents saw before
+    kept = decide_round(5.0, view_of(A, B, C, round_=waiting, changed_at=0.0), cfg)
+    assert kept.round.faults == 1
