@@ -99,12 +99,6 @@ class LocalRound:
         """The header's stored bytes (writes fenced by the round compare them)."""
         self.groups = {g: tuple(ms) for g, ms in groups.items() if header.groups[g].count}
 
-    @classmethod
-    def of(cls, rec: RoundRecord, groups: int = 1) -> "LocalRound":
-        """The complete local view of a whole round (as its decider writes it)."""
-        plan = plan_write(rec, groups, None, JobKeys("_"))
-        return cls(plan.header, encode(plan.header), plan.shards)
-
     # -- the header's fields ------------------------------------------------------------------------
     round = property(lambda self: self.header.round)
     active = property(lambda self: self.header.active)
