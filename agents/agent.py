@@ -591,6 +591,10 @@ class Agent:
             except RoundChanged:
                 self.pool.give_back(workers)
                 return
+            except StoreError as exc:  # etcd did not answer: the next pass of the loop tries again
+                self.pool.give_back(workers)
+                self.log.warning("could not publish round %d's store address (%s); retrying", rnd.round, exc)
+                return
             master_addr, master_port = self.host, workers[0].store_port
         else:
             master = await self._wait_master(rnd.round)

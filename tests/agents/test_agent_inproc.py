@@ -1,0 +1,50 @@
+"""An agent run in this process (``ftrt.agents.agent.main``) against a real etcd reached through a
+store that fails on cue: an etcd failure at a precise step of the agent's work must be retried,
+not end the agent."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from ftrt.agents.agent import main
+from ftrt.agents.cli import parse_launch_args
+from ftrt.errors import StoreUnavailable
+from ftrt.jobkeys import JobKeys
+from ftrt.store.api import Put
+from ftrt.store.etcd import EtcdStore
+
+
+class FailingMasterPut:
+    """The agent's store, except that the first transaction putting a round's master record fails
+    as an unreachable etcd does."""
+
+    def __init__(self, store: EtcdStore, keys: JobKeys) -> None:
+        self._store = store
+        self._keys = keys
+        self.failed = 0
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    async def txn(self, compares, success, failure=(), **kw):
+        if not self.failed and any(isinstance(op, Put) and op.key.startswith(self._keys.masters) for op in success):
+            self.failed += 1
+            raise StoreUnavailable("etcd did not answer (injected by the test)")
+        return await self._store.txn(compares, success, failure, **kw)
+
+
+async def test_a_master_record_that_could_not_be_published_is_published_on_the_next_pass(
+        etcd_endpoint, job_id, tmp_path):
+    script = tmp_path / "ok.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    cfg = parse_launch_args(["--node-id", "solo", "--etcd", etcd_endpoint, "--job-id", job_id, "--nnodes", "1",
+                             "--nproc-per-node", "1", "--no-warm", "--log-dir", str(tmp_path / "logs"),
+                             str(script)])
+    keys = JobKeys(job_id)
+    store = FailingMasterPut(EtcdStore(etcd_endpoint), keys)
+    rc = await asyncio.wait_for(main(cfg, store=store), 90)
+    assert store.failed == 1  # the failure happened, where it was meant to
+    assert rc == 0  # and the job still ran to its end
+    logs = list((tmp_path / "logs").rglob("rank-0.log"))
+    assert logs and b"rank 0 of 1" in logs[0].read_bytes(), sys.stderr
