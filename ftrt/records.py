@@ -89,25 +89,33 @@ class Member:
     """The member's etcd lease: a peer that finds the member dead revokes it."""
 
 
-@dataclass(frozen=True)
-class RoundRecord:
-    """One rendezvous round. Written only by compare-and-swap on the previous round."""
+@dataclass(frozen=True, kw_only=True)
+class RoundState:
+    """What a round says besides its members (:class:`RoundRecord` and :class:`RoundHeader` both
+    carry it; keyword-only)."""
 
-    round: int
-    members: tuple[Member, ...]
     active: bool = True
     """False while the job is below its minimum size: no worker runs."""
     restart_count: int = 0
     """Restarts caused by worker failures so far (membership changes do not count)."""
     faults: int = 0
     """Rounds caused by a fault so far (a lost member or a worker failure; joins do not count):
-    with :attr:`job_started`, the job's observed fault rate (checkpoint cadence reads it)."""
+    with :attr:`job_started`, the job's observed fault rate (checkpoint cadence reads it). Every
+    round that drops a member of the one before counts one."""
     reason: str = ""
     created: float = 0.0
     """Wall time the round was written."""
     job_started: float = 0.0
     """Wall time the job's first round was written (carried from round to round)."""
     writer: str = ""
+
+
+@dataclass(frozen=True)
+class RoundRecord(RoundState):
+    """One rendezvous round, as the decider decides it: every member in rank order."""
+
+    round: int
+    members: tuple[Member, ...]
 
     @property
     def world_size(self) -> int:
@@ -163,7 +171,7 @@ class GroupRef:
 
 
 @dataclass(frozen=True)
-class RoundHeader:
+class RoundHeader(RoundState):
     """A round as stored at ``rdzv/round``: everything but the members, which are in the group
     shards it names (:mod:`ftrt.roster`). Small (a few bytes per group, not per member), so every
     agent can watch it. Written only by compare-and-swap on the previous round."""
@@ -172,13 +180,6 @@ class RoundHeader:
     groups: tuple[GroupRef, ...]
     first: str = ""
     """Member 0's node id: its workers host the round's store."""
-    active: bool = True
-    restart_count: int = 0
-    faults: int = 0
-    reason: str = ""
-    created: float = 0.0
-    job_started: float = 0.0
-    writer: str = ""
 
     @property
     def world_size(self) -> int:
