@@ -25,7 +25,13 @@ def test_spares_warm_asks_the_agent_where_it_registered(tmp_path, etcd_endpoint,
     node.start()
     try:
         wait_until(lambda: find_agents([node]) or node.agent.addr, 30, "the agent to register")
-        # Warm once the round runs and the agent has two spares again (the first two went to the round).
+        # Warm once the round runs and the agent has two spares again (the first two went to the
+        # round; the early spares are warm before the round takes them, so wait for its ranks too).
+        def running() -> bool:
+            st = node.agent_status()
+            return st is not None and len([w for w in st.workers if w.rank >= 0]) == 2
+
+        wait_until(running, 60, "the round's two ranks")
         wait_until(node.spares_warm, 60, "two warm spares")
         st = node.agent_status()
         assert st.warm_workers >= 2 and st.health.node_id == "n0" and len(
