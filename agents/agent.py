@@ -581,7 +581,15 @@ class Agent:
             await self.pool.stop_running(self.cfg.restart_grace)
         if rnd.first == self.cfg.node_id:
             workers = await self.pool.take()
-            await workers[0].ready.wait()
+            try:
+                await asyncio.wait_for(workers[0].ready.wait(), self.cfg.worker_start_timeout)
+            except asyncio.TimeoutError:
+                await self.pool.discard(workers[:1])
+                self.pool.give_back(workers[1:])
+                await self._request_restart_unassigned(
+                    rnd, f"the worker holding the round's store did not start within "
+                         f"{self.cfg.worker_start_timeout:g} s (--worker-start-timeout)")
+                return
             if workers[0].exit_code is not None:
                 self.pool.give_back(workers[1:])
                 await self._request_restart_unassigned(rnd, "the worker holding the round's store died")

@@ -83,6 +83,11 @@ class LaunchConfig(BaseModel):
         DEFAULTS["hang_timeout"], gt=0,
         description="A worker that heartbeat once and then stays silent this long is killed as hung.",
     )
+    worker_start_timeout: float = Field(
+        DEFAULTS["worker_start_timeout"], gt=0,
+        description="A round's first worker (it holds the round's store) that has not started (reported "
+                    "ready) this long is killed and the round restarted.",
+    )
     stop_grace: float = Field(
         DEFAULTS["stop_grace"], ge=0, description="Seconds between SIGTERM and SIGKILL when the job stops."
     )

@@ -138,6 +138,9 @@ FLAGS: tuple[Flag | FlagGroup, ...] = (
     Flag("hang_timeout", ("--hang-timeout",), 60.0,
          "seconds without heartbeat (after the first) before a worker is killed as hung (default {default})",
          type=float),
+    Flag("worker_start_timeout", ("--worker-start-timeout",), 300.0,
+         "seconds a round's first worker (it holds the round's store) may take to start before the round is "
+         "restarted (default {default})", type=float),
     Flag("settle", ("--settle",), 0.05, "seconds of quiet after a fault before the next round", type=float),
     Flag("join_settle", ("--join-settle",), 0.2,
          "seconds a ready newcomer waits so nodes starting together join together", type=float),

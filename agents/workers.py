@@ -508,6 +508,10 @@ class WorkerPool:
             await asyncio.wait([asyncio.ensure_future(w.exited.wait()) for w in live], timeout=timeout)
         return all(w.exited.is_set() for w in workers)
 
+    async def discard(self, workers: list[Worker]) -> None:
+        """Kill workers taken for a round that cannot use them (one that never started)."""
+        await self._stop(workers, 0.0)
+
     def kill_running_now(self) -> None:
         """SIGKILL every assigned worker without waiting (fencing)."""
         for w in self.running:

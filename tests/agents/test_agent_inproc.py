@@ -5,11 +5,14 @@ not end the agent."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+
+import pytest
 
 from ftrt.agents.agent import main
 from ftrt.agents.cli import parse_launch_args
-from ftrt.errors import StoreUnavailable
+from ftrt.errors import StoreUnavailable, WorkerFailure
 from ftrt.jobkeys import JobKeys
 from ftrt.store.api import Put
 from ftrt.store.etcd import EtcdStore
@@ -48,3 +51,19 @@ async def test_a_master_record_that_could_not_be_published_is_published_on_the_n
     assert rc == 0  # and the job still ran to its end
     logs = list((tmp_path / "logs").rglob("rank-0.log"))
     assert logs and b"rank 0 of 1" in logs[0].read_bytes(), sys.stderr
+
+
+async def test_a_store_holder_that_never_starts_restarts_the_round_then_fails_the_job_naming_why(
+        etcd_endpoint, job_id, tmp_path, monkeypatch):
+    (tmp_path / "hangs_on_import.py").write_text("import time\ntime.sleep(600)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    script = tmp_path / "ok.py"
+    script.write_text("print('never runs')\n")
+    cfg = parse_launch_args(["--node-id", "solo", "--etcd", etcd_endpoint, "--job-id", job_id, "--nnodes", "1",
+                             "--nproc-per-node", "1", "--no-warm", "--warm-import", "hangs_on_import",
+                             "--worker-start-timeout", "2", "--max-restarts", "1", str(script)])
+    store = EtcdStore(etcd_endpoint)
+    with pytest.raises(WorkerFailure) as failed:
+        await asyncio.wait_for(main(cfg, store=store), 60)  # without the bound: stuck, cut at 60 s
+    assert "did not start within 2 s (--worker-start-timeout)" in str(failed.value)
+    assert "restart budget" in str(failed.value)
