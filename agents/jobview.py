@@ -22,7 +22,7 @@ from typing import Callable
 from ftrt.agents.decide import View
 from ftrt.jobkeys import JobKeys
 from ftrt.records import DeciderRecord, JobState, MasterRecord, Member, NodeRecord, RestartRequest, RoundHeader, decode
-from ftrt.roster import LocalRound, decode_header, read_shards, wanted_groups
+from ftrt.roster import LocalRound, ShardRead, decode_header, read_shards, wanted_groups
 from ftrt.errors import StoreError, WatchCompacted
 from ftrt.store.api import Store, WatchEvent
 
@@ -106,7 +106,7 @@ class JobView:
         self.round_mod_revision = 0  # the round read replaces the view's (etcd may have been restored)
         self._apply_all(kvs)
         if not any(kv.key == self.keys.round for kv in kvs):
-            view.round, self.round_mod_revision, self._pending = None, 0, None
+            view.round, self._pending = None, None
         await self._settle()
         self.on_change()
         return revision
@@ -134,13 +134,13 @@ class JobView:
             pending = self._pending
             header, raw, revision = pending
             if revision <= self.round_mod_revision:
-                self._pending = None if self._pending is pending else self._pending
+                if self._pending is pending:
+                    self._pending = None
                 continue
             loaded = {g: self._shards[(g, ref.shard)] for g, ref in enumerate(header.groups)
                       if ref.count and (g, ref.shard) in self._shards}
             while want := wanted_groups(header, loaded, self.node_id, self.successors, self._following_nodes):
-                got = await read_shards(self.store, self.keys, header, want)
-                self._shards.update({(g, header.groups[g].shard): ms for g, ms in got.found.items()})
+                got = await self._read(header, want)
                 if got.unreadable:
                     if self._pending is not pending:
                         break  # a newer round came meanwhile (most often why a shard is gone)
@@ -174,9 +174,7 @@ class JobView:
         cur = self.view.round
         if cur is None or cur.complete:
             return True
-        want = wanted_groups(cur.header, cur.groups, self.node_id, self.successors, True)
-        got = await read_shards(self.store, self.keys, cur.header, want)
-        self._shards.update({(g, cur.header.groups[g].shard): ms for g, ms in got.found.items()})
+        got = await self._read(cur.header, wanted_groups(cur.header, cur.groups, self.node_id, self.successors, True))
         groups = {**cur.groups, **got.found}
         if got.unreadable:
             kv, _ = await self.store.get(self.keys.round)
@@ -190,6 +188,12 @@ class JobView:
         if self.view.round is cur:
             self.view.round = LocalRound(cur.header, cur.raw, groups)
         return self.view.round.complete
+
+    async def _read(self, header: RoundHeader, groups: set[int]) -> ShardRead:
+        """Read ``groups`` of ``header``'s round, keeping what was found."""
+        got = await read_shards(self.store, self.keys, header, groups)
+        self._shards.update({(g, header.groups[g].shard): ms for g, ms in got.found.items()})
+        return got
 
     def _set_round(self, rnd: LocalRound, revision: int) -> None:
         if revision <= self.round_mod_revision:

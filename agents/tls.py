@@ -63,13 +63,10 @@ class AgentTls:
         """A channel to the agent at ``addr``: mutual TLS when enabled, else plaintext."""
         if not self.enabled:
             return grpc.aio.insecure_channel(addr)
-        return grpc.aio.secure_channel(addr, self.channel_credentials())
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        """This node's certificate and the job's CA, for channels to other agents."""
-        return grpc.ssl_channel_credentials(root_certificates=read_file("--tls-ca", self.ca),
-                                            private_key=read_file("--tls-key", self.key),
-                                            certificate_chain=read_file("--tls-cert", self.cert))
+        creds = grpc.ssl_channel_credentials(root_certificates=read_file("--tls-ca", self.ca),
+                                             private_key=read_file("--tls-key", self.key),
+                                             certificate_chain=read_file("--tls-cert", self.cert))
+        return grpc.aio.secure_channel(addr, creds)
 
     def flags(self) -> list[str]:
         return [x for flag, v in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca))
@@ -89,17 +86,15 @@ class PeerChannels:
 
     def __init__(self, tls: AgentTls) -> None:
         self.tls = tls
-        self._creds = tls.channel_credentials() if tls.enabled else None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task] = set()
 
     def get(self, addr: str) -> grpc.aio.Channel:
-        """The channel to ``addr`` (made on first use; not connected until used or dialled)."""
+        """The channel to ``addr`` (:meth:`AgentTls.channel`: mutual TLS when the job has it; made
+        on first use, not connected until used or dialled)."""
         channel = self._channels.get(addr)
         if channel is None:
-            channel = (grpc.aio.secure_channel(addr, self._creds) if self._creds is not None
-                       else grpc.aio.insecure_channel(addr))
-            self._channels[addr] = channel
+            channel = self._channels[addr] = self.tls.channel(addr)
         return channel
 
     def dial(self, addr: str) -> None:

@@ -110,6 +110,11 @@ class RoundState:
     writer: str = ""
 
 
+def round_state(rnd: RoundState) -> dict[str, Any]:
+    """The :class:`RoundState` fields of a round header or record, to build the other from."""
+    return {f.name: getattr(rnd, f.name) for f in fields(RoundState)}
+
+
 @dataclass(frozen=True)
 class RoundRecord(RoundState):
     """One rendezvous round, as the decider decides it: every member in rank order."""

@@ -34,7 +34,7 @@ from typing import Iterable, Mapping
 
 from ftrt.errors import StoreError
 from ftrt.jobkeys import JobKeys, check_id
-from ftrt.records import GroupRef, Member, RoundHeader, RoundRecord, decode, encode
+from ftrt.records import GroupRef, Member, RoundHeader, RoundRecord, decode, encode, round_state
 from ftrt.store.api import Delete, Get, Put, Store
 
 GROUP_TARGET = 64
@@ -131,9 +131,7 @@ class LocalRound:
 
     def record(self) -> RoundRecord:
         """The whole round (only once :attr:`complete`)."""
-        h = self.header
-        return RoundRecord(h.round, self.members, active=h.active, restart_count=h.restart_count, faults=h.faults,
-                           reason=h.reason, created=h.created, job_started=h.job_started, writer=h.writer)
+        return RoundRecord(self.header.round, self.members, **round_state(self.header))
 
     def _place(self, node_id: str) -> tuple[int, int] | None:
         """(group, index in the group) of a member; None if ``node_id`` is not one."""
@@ -264,9 +262,7 @@ def plan_write(new: RoundRecord, groups: int, prev: LocalRound | None, keys: Job
     if not same_layout:  # the group count changed (another decider's --nnodes): drop every old shard
         ops += [Delete(keys.roster_shard(g, ref.shard)) for g, ref in enumerate(old_refs) if ref.shard]
     first = next((shards[g][0].node_id for g in sorted(shards)), "")
-    header = RoundHeader(round=new.round, groups=tuple(refs), first=first, active=new.active,
-                         restart_count=new.restart_count, faults=new.faults, reason=new.reason, created=new.created,
-                         job_started=new.job_started, writer=new.writer)
+    header = RoundHeader(round=new.round, groups=tuple(refs), first=first, **round_state(new))
     return RoundWrite(header, (Put(keys.round, encode(header)), *ops), shards)
 
 
