@@ -6,7 +6,8 @@ records, the job's terminal state and the decider key (one watch per agent cover
 holds one record per live agent; only the job's decider watches it, so a join costs O(1) watch
 events per agent, not O(N). ``election/`` holds the decider election's candidate slots; an
 agent watches one of them. ``roster/`` holds the rounds' members in group shards, which agents read
-(not watch) when the round header under ``rdzv/`` names a shard they need. Events and checkpoint pointers live beside them so their traffic
+(not watch) when the round header under ``rdzv/`` names a shard they need. ``rollout/`` holds the
+rollout fleet's servers and the policy spec they serve. Events and checkpoint pointers live beside them so their traffic
 wakes no rendezvous.
 """
 
@@ -110,6 +111,26 @@ class JobKeys:
     @property
     def ckpt(self) -> str:
         return f"{self.root}ckpt/"
+
+    @property
+    def rollout(self) -> str:
+        """Prefix of the job's rollout fleet (:mod:`ftrt.rollout`): the policy spec the trainer
+        publishes and one record per live rollout server, outside ``rdzv/`` so that servers
+        coming and going wake no rendezvous."""
+        return f"{self.root}rollout/"
+
+    @property
+    def rollout_spec(self) -> str:
+        """What a rollout server needs to build the job's policy (written by the trainer)."""
+        return f"{self.rollout}spec"
+
+    @property
+    def rollout_servers(self) -> str:
+        return f"{self.rollout}servers/"
+
+    def rollout_server(self, server_id: str) -> str:
+        """A rollout server's record, under its lease."""
+        return f"{self.rollout_servers}{server_id}"
 
     @property
     def token(self) -> str:

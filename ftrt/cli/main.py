@@ -62,6 +62,12 @@ def _cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
     return demo_main(rest)
 
 
+def _cmd_rollout(args: argparse.Namespace, rest: list[str]) -> int:
+    from ftrt.rollout.server import rollout_main
+
+    return rollout_main(rest)
+
+
 COMMANDS: dict[str, tuple[Handler, str]] = {
     "launch": (_cmd_launch, "run a training script on this node under an ftrt agent (torchrun drop-in)"),
     "status": (_cmd_status, "show a job's members, round, restarts and recent events"),
@@ -69,6 +75,7 @@ COMMANDS: dict[str, tuple[Handler, str]] = {
     "ckpt": (_cmd_ckpt, "list, inspect or verify checkpoints: ftrt ckpt ls|inspect|verify URL [STEP]"),
     "chaos": (_cmd_chaos, "chaos scenarios: ftrt chaos list | run FILE.yaml [--report DIR] [--seed N]"),
     "grpo": (_cmd_grpo, "train GRPO (one process, or under ftrt launch): ftrt grpo [--config F] [KEY=VALUE ...]"),
+    "rollout": (_cmd_rollout, "serve rollouts for a job's trainer: ftrt rollout serve --etcd HOST:PORT --job-id ID"),
     "demo": (_cmd_demo, "the main demo: an elastic job on 3 local nodes that loses one and goes on"),
 }
 

@@ -76,6 +76,28 @@ class CheckpointConfig(_Strict):
         raise ValueError(f"give auto or a whole number of steps >= {least}")
 
 
+class RolloutConfig(_Strict):
+    """Where completions come from: sampled inside each trainer rank (local) or by a separate
+    fleet of rollout servers (``ftrt rollout serve``; docs/rollout.md)."""
+
+    mode: Literal["local", "fleet"] = Field("local", description="local: each rank samples its own "
+                                            "prompts; fleet: rank 0 dispatches every prompt group to the "
+                                            "job's rollout servers and pushes them each new weight version")
+    max_off_policy_steps: int = Field(0, ge=0, le=8, description="fleet: step s trains on samples made "
+                                      "with exactly the weights of version max(0, s - K); K >= 1 overlaps "
+                                      "generation of later steps with training")
+    request_timeout: float = Field(30.0, gt=0, description="fleet: seconds a server may take for one "
+                                   "prompt group before the group goes to another server")
+    wait_timeout: float = Field(120.0, gt=0, description="fleet: seconds without a live server holding "
+                                "the current weights before the run fails with an error")
+    push_timeout: float = Field(60.0, gt=0, description="fleet: seconds one server may take to take one "
+                                "weight push; a server that misses it serves nothing until a good push")
+    etcd: str | None = Field(None, description="fleet: etcd endpoints (default: the job's, under ftrt "
+                             "launch)")
+    job_id: str | None = Field(None, description="fleet: the job id the servers serve (default: the "
+                               "job's, under ftrt launch)")
+
+
 class GRPOConfig(_Strict):
     """One GRPO run. Defaults learn the default task on 2 CPU ranks in a few minutes."""
 
@@ -109,6 +131,14 @@ class GRPOConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+    @model_validator(mode="after")
+    def _off_policy_needs_fleet(self) -> "GRPOConfig":
+        if self.rollout.max_off_policy_steps and self.rollout.mode != "fleet":
+            raise ValueError("rollout.max_off_policy_steps > 0 needs rollout.mode=fleet (local ranks "
+                             "always sample with the current weights)")
+        return self
 
 
 def _set_dotted(data: dict, key: str, value: Any) -> None:
@@ -142,7 +172,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             value = yaml.safe_load(raw) if raw else ""
         except yaml.YAMLError:
             value = raw
-        if key == "task.name" or key.endswith("url") or key.endswith("path"):
+        if key in ("task.name", "rollout.etcd", "rollout.job_id") or key.endswith("url") or key.endswith("path"):
             value = raw if raw not in ("null", "none", "None") else None
         _set_dotted(data, key, value)
     try:

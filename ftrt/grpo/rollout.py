@@ -61,35 +61,68 @@ def make_prompts(task: Task, vocab: Vocab, seed: int, prompt_ids: list[int]) -> 
 
 
 @torch.no_grad()
-def rollout(model: torch.nn.Module, task: Task, vocab: Vocab, *, seed: int, step: int, prompt_ids: list[int],
-            group: int, max_new: int, temperature: float) -> Batch:
-    """Sample ``group`` completions for each prompt and score them."""
+def complete(model: torch.nn.Module, vocab: Vocab, prompts: torch.Tensor, u: torch.Tensor, *, group: int,
+             max_new: int, temperature: float) -> torch.Tensor:
+    """Completion tokens (P*G, max_new) for ``prompts`` (P, Lp), ``group`` rows per prompt drawn
+    with the uniforms ``u`` (row ``i * group + j``); PAD after a row's EOS."""
+    seq = prompts.repeat_interleave(group, dim=0)
+    n = seq.shape[0]
+    out = torch.full((n, max_new), vocab.pad, dtype=torch.long)
+    if not n:
+        return out
+    done = torch.zeros(n, dtype=torch.bool)
+    logits, cache = model(seq)
+    last = logits[:, -1]
+    start = seq.shape[1]
+    for t in range(max_new):
+        tok = pick(last, u[:, t], temperature)
+        tok = torch.where(done, torch.full_like(tok, vocab.pad), tok)
+        out[:, t] = tok
+        done = done | (tok == vocab.eos)
+        if bool(done.all()) or t == max_new - 1:
+            break
+        logits, cache = model(tok.unsqueeze(1), cache, start + t)
+        last = logits[:, -1]
+    return out
+
+
+def completion_mask(out: torch.Tensor, eos: int) -> torch.Tensor:
+    """The completion tokens that count: every one up to and including a row's first EOS."""
+    ended = (out == eos).long().cumsum(dim=1)
+    return (ended - (out == eos).long()) == 0
+
+
+def score(task: Task, vocab: Vocab, seed: int, step: int, prompt_ids: list[int], group: int,
+          out: torch.Tensor) -> Batch:
+    """The :class:`Batch` of completions ``out`` (P*G, N) of ``prompt_ids``: sequences, mask and rewards."""
     prompts, answers = make_prompts(task, vocab, seed, prompt_ids)
     n = len(prompt_ids) * group
-    u = uniforms(seed, step, prompt_ids, group, max_new)
-    seq = prompts.repeat_interleave(group, dim=0)
-    out = torch.full((n, max_new), vocab.pad, dtype=torch.long)
-    mask = torch.zeros(n, max_new, dtype=torch.bool)
-    if n:
-        done = torch.zeros(n, dtype=torch.bool)
-        logits, cache = model(seq)
-        last = logits[:, -1]
-        start = seq.shape[1]
-        for t in range(max_new):
-            tok = pick(last, u[:, t], temperature)
-            tok = torch.where(done, torch.full_like(tok, vocab.pad), tok)
-            out[:, t] = tok
-            mask[:, t] = ~done
-            done = done | (tok == vocab.eos)
-            if bool(done.all()) or t == max_new - 1:
-                break
-            logits, cache = model(tok.unsqueeze(1), cache, start + t)
-            last = logits[:, -1]
     rewards = torch.tensor(
         [task.reward(answers[i // group], vocab.decode_completion(out[i].tolist())) for i in range(n)],
         dtype=torch.float32,
     ).view(len(prompt_ids), group)
-    return Batch(prompt_ids, answers, prompts, torch.cat([seq, out], dim=1), mask, rewards)
+    seq = prompts.repeat_interleave(group, dim=0)
+    return Batch(prompt_ids, answers, prompts, torch.cat([seq, out], dim=1), completion_mask(out, vocab.eos), rewards)
+
+
+@torch.no_grad()
+def rollout(model: torch.nn.Module, task: Task, vocab: Vocab, *, seed: int, step: int, prompt_ids: list[int],
+            group: int, max_new: int, temperature: float) -> Batch:
+    """Sample ``group`` completions for each prompt and score them."""
+    prompts, _ = make_prompts(task, vocab, seed, prompt_ids)
+    u = uniforms(seed, step, prompt_ids, group, max_new)
+    out = complete(model, vocab, prompts, u, group=group, max_new=max_new, temperature=temperature)
+    return score(task, vocab, seed, step, prompt_ids, group, out)
+
+
+def sample_group(model: torch.nn.Module, task: Task, vocab: Vocab, *, seed: int, step: int, prompt_id: int,
+                 group: int, max_new: int, temperature: float) -> torch.Tensor:
+    """One prompt group's completions (G, max_new), sampled on their own: the forward batch is
+    always exactly this group, so the tokens are a pure function of (seed, step, prompt_id,
+    weights), whatever else the caller is sampling (the rollout fleet's unit of work)."""
+    prompts, _ = make_prompts(task, vocab, seed, [prompt_id])
+    u = uniforms(seed, step, [prompt_id], group, max_new)
+    return complete(model, vocab, prompts, u, group=group, max_new=max_new, temperature=temperature)
 
 
 def token_logps(model: torch.nn.Module, sequences: torch.Tensor, prompt_len: int,

@@ -35,9 +35,11 @@ from ftrt import _diag
 from ftrt.grpo.checkpointing import Cadences, SaveDecision, Saves
 from ftrt.grpo.config import GRPOConfig
 from ftrt.grpo.loss import aggregate, clipped_surrogate, group_advantages, k3_kl
-from ftrt.grpo.model import build_policy, param_count
-from ftrt.grpo.rollout import Batch, rollout, token_logps
-from ftrt.grpo.tasks import Task, TokenizerVocab, Vocab, make_task
+from ftrt.grpo.model import param_count
+from ftrt.grpo.rollout import Batch, token_logps
+from ftrt.grpo.sampling import FleetSampling, LocalSampling
+from ftrt.grpo.setting import build_setting
+from ftrt.grpo.tasks import Task, TokenizerVocab, Vocab
 from ftrt.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -136,6 +138,8 @@ class _Run:
     ck: Checkpointer | None
     cadence: Cadences
     metrics: Metrics
+    sampling: LocalSampling | FleetSampling
+    """Where completions come from (``rollout.mode``)."""
 
     @property
     def trainer(self) -> dict[str, int]:
@@ -158,6 +162,8 @@ class _Step:
     """Which node trained which prompts, in rank order."""
     round_ends: bool
     """A node is joining: the round ends after this step (never after the last one)."""
+    sampling: dict[str, Any]
+    """The sampling's metrics-line fields (fleet: weight version, servers, timings)."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -176,6 +182,8 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     first_step = tr["step"]
     ended_for_round = False
+    if tr["step"] < cfg.steps:
+        run.sampling.start(tr["step"], run.state.get("rollout", {}), tr["frontier"])
     for step in range(tr["step"], cfg.steps):
         done = _train_step(run, step, saves, step_s)
         step_s = done.step_s
@@ -183,6 +191,8 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
         decision = run.cadence.decide(step + 1, cfg.steps, round_ends=done.round_ends)
         _record(run, step, done, decision, bar, first=step == first_step)
         run.rt.heartbeat(step + 1)
+        if decision.keep:
+            run.sampling.before_save(step + 1, run.state.get("rollout", {}), run.trainer["frontier"])
         saves.start(step + 1, decision)
         if done.round_ends:
             saves.wait()  # the new round resumes from this save
@@ -191,6 +201,7 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
             break
     bar.close()
     saves.close()  # waits for the last save: the final state is committed before we report
+    run.sampling.close()
     if not ended_for_round:
         run.rt.done()  # what follows (the summary, destroying the process group) is teardown, not a hang
     return _finish(run, rewards, time.perf_counter() - t_start, ended_for_round)
@@ -206,23 +217,22 @@ def _setup(cfg: GRPOConfig) -> _Run:
         dist.init_process_group("gloo")
     _diag.mark("process_group")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    task = make_task(cfg.task.name, cfg.task.params)
-    max_new = cfg.max_new_tokens or task.answer_len
-    prompt_len = task.prompt_len + 2
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    if cfg.model.hf_path:
-        model = build_policy(cfg.model, 0, prompt_len + max_new)
-        vocab: Vocab | TokenizerVocab = TokenizerVocab(task, model.tokenizer)
-    else:
-        vocab = Vocab(task)
-        model = build_policy(cfg.model, len(vocab), prompt_len + max_new)
+    built = build_setting(cfg.model, cfg.task, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens)
+    task, vocab, model, max_new, prompt_len = built.task, built.vocab, built.model, built.max_new, built.prompt_len
     ref = copy.deepcopy(model).requires_grad_(False) if cfg.kl_beta > 0 else None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.rollout.mode == "fleet":
+        sampling: LocalSampling | FleetSampling = FleetSampling(cfg, task, vocab, model, max_new, rank=rank,
+                                                                distributed=distributed, job_id=rt.job_id)
+    else:
+        sampling = LocalSampling(cfg, task, vocab, model, max_new)
     state: dict[str, Any] = {
         "model": model, "optim": opt,
         "trainer": {"step": 0, "frontier": 0, "redone": 0, "resumes": 0, "tokens": 0},
     }
+    if sampling.state():  # the fleet's samples ahead (max_off_policy_steps > 0)
+        state["rollout"] = sampling.state()
     _diag.mark("model")
     ck = rt.checkpointer(cfg.checkpoint.url, keep=cfg.checkpoint.keep,
                          storage_options=cfg.checkpoint.storage_options) if cfg.checkpoint.url else None
@@ -232,7 +242,7 @@ def _setup(cfg: GRPOConfig) -> _Run:
     _diag.mark("built")
     return _Run(cfg=cfg, rt=rt, distributed=distributed, rank=rank, world=world, task=task, vocab=vocab,
                 model=model, ref=ref, params=params, opt=opt, state=state, max_new=max_new, prompt_len=prompt_len,
-                ck=ck, cadence=cadence, metrics=metrics)
+                ck=ck, cadence=cadence, metrics=metrics, sampling=sampling)
 
 
 def _resume(run: _Run) -> None:
@@ -270,8 +280,8 @@ def _train_step(run: _Run, step: int, saves: Saves, last_step_s: float) -> _Step
     frontier = tr["frontier"]
     lo, hi = shard(cfg.prompts_per_step, run.world, run.rank)
     mine = list(range(frontier + lo, frontier + hi))
-    batch = rollout(run.model, run.task, run.vocab, seed=cfg.seed, step=step, prompt_ids=mine,
-                    group=cfg.group_size, max_new=run.max_new, temperature=cfg.temperature)
+    sampled = run.sampling.sample(step, mine, frontier)
+    batch = sampled.batch
     counts = _all_reduce(torch.tensor([float(batch.mask.sum()), float(batch.mask.shape[0])],
                                       dtype=torch.float64), run.distributed)
     total_tokens, total_seqs = counts.tolist()
@@ -289,7 +299,8 @@ def _train_step(run: _Run, step: int, saves: Saves, last_step_s: float) -> _Step
     parts = _gather((run.rt.node_id, mine), run.distributed, run.world)  # which node trained which prompts
     tr.update(step=step + 1, frontier=frontier + cfg.prompts_per_step, tokens=tr["tokens"] + int(total_tokens))
     return _Step(reward_mean=reward_sum / max(total_seqs, 1.0), loss=loss_total, kl=kl_total,
-                 tokens=total_tokens, step_s=time.perf_counter() - t0, parts=parts, round_ends=round_ends)
+                 tokens=total_tokens, step_s=time.perf_counter() - t0, parts=parts, round_ends=round_ends,
+                 sampling=sampled.info)
 
 
 def _update(run: _Run, batch: Batch, total_tokens: float, total_seqs: float, saves: Saves) -> tuple[float, float]:
@@ -342,7 +353,10 @@ def _record(run: _Run, step: int, done: _Step, decision: SaveDecision, bar: Prog
         "tokens_per_s": done.tokens / done.step_s, "time": time.time(), "step_s": done.step_s,
         "redone": tr["redone"], "resumes": tr["resumes"], "nodes": sorted({n for n, _ in done.parts}),
         "ckpt": decision.tier,  # the save due after this step
+        **done.sampling,
     }
+    if "rollout_s" in done.sampling:  # the wait for completions (with the push) against the rest
+        record["train_s"] = max(0.0, done.step_s - done.sampling["rollout_s"])
     run.metrics.append(record)
     if first:
         _diag.mark("first_step", step=step, step_s=done.step_s)

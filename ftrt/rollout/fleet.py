@@ -1,0 +1,424 @@
+"""The trainer's side of the rollout fleet (rank 0 runs it): discovery, weight pushes, dispatch.
+
+:class:`Fleet` keeps an event loop on a daemon thread of its own and offers the trainer a few
+blocking calls: :meth:`Fleet.publish` (a new weight version, pushed to every live server),
+:meth:`Fleet.submit` (a step's prompt groups with the version they must be sampled with) and
+:meth:`Fleet.collect` (that step's completions, once every group has exactly one result).
+
+In the background a pump, several times a second:
+
+- reads the servers' records in etcd (a server appears when it registers, goes when its lease
+  does) and pushes each usable server every version the ledger still needs, newest first;
+- sends waiting groups to the least-loaded server that holds their version (:func:`route`);
+- takes a group back when its server dies (the call fails at once: the connection resets),
+  refuses it (FAILED_PRECONDITION: it does not hold the version) or misses ``request_timeout``
+  (hung): the group waits again and goes elsewhere, and a server that missed a deadline or a
+  push serves nothing until it answers a probe or takes a good push;
+- fails :meth:`collect` with :class:`RolloutUnavailable` when no usable server has been there
+  for ``wait_timeout`` while groups wait, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import grpc
+import grpc.aio
+import numpy as np
+import torch
+
+from ftrt.agents.auth import job_token
+from ftrt.errors import FtrtError, StoreError
+from ftrt.jobkeys import JobKeys
+from ftrt.rollout.ledger import GroupKey, Ledger, ServerView, route
+from ftrt.rollout.server import MAX_MESSAGE, ServerRecord
+from ftrt.rollout.spec import PolicySpec
+from ftrt.rollout.weights import Outgoing, chunks
+from ftrt.store.access import EtcdAccess
+from ftrt.store.etcd import EtcdStore
+from ftrt.v1 import rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger("ftrt.rollout.fleet")
+
+REFRESH_S = 0.5
+"""How often the pump reads the servers' records."""
+PROBE_S = 1.0
+"""How often a server out of routing is probed (and the probe's deadline)."""
+
+
+class RolloutUnavailable(FtrtError):
+    """No rollout server could serve the trainer for longer than ``rollout.wait_timeout``."""
+
+
+class BadReply(Exception):
+    """A server's answer did not fit the request (wrong group, shape or token ids)."""
+
+
+@dataclass(frozen=True)
+class PushStats:
+    version: int
+    seconds: float
+    bytes: int
+    servers: int
+
+
+@dataclass
+class _PushTally:
+    started: float
+    last: float = 0.0
+    bytes: int = 0
+    servers: int = 0
+
+
+@dataclass
+class _Server:
+    record: ServerRecord
+    channel: grpc.aio.Channel
+    stub: rollout_pb2_grpc.RolloutServiceStub
+    versions: dict[int, str]
+    usable: bool = True
+    why: str = ""
+    probe_at: float = 0.0
+    push_at: float = 0.0
+    pushing: asyncio.Task | None = None
+    calls: set = field(default_factory=set)
+
+
+class Fleet:
+    """Rank 0's link to the job's rollout servers (see the module docstring)."""
+
+    def __init__(self, *, endpoints: str, access: EtcdAccess, job_id: str, spec: PolicySpec, vocab_size: int,
+                 max_new: int, request_timeout: float, wait_timeout: float, push_timeout: float,
+                 per_server: int = 2) -> None:
+        self.keys = JobKeys(job_id)
+        self.spec = spec
+        self.shape = (spec.group_size, max_new)
+        self.vocab_size = vocab_size
+        self.request_timeout = request_timeout
+        self.wait_timeout = wait_timeout
+        self.push_timeout = push_timeout
+        self.per_server = per_server
+        self.ledger = Ledger()
+        self.versions: dict[int, Outgoing] = {}
+        self.servers: dict[str, _Server] = {}
+        self._pushes: dict[int, _PushTally] = {}
+        self._dead: dict[str, tuple[str, int]] = {}
+        """Servers dropped as dead, by id, with the (address, pid) of the record they had: that record
+        is ignored until it goes (its lease outlives the process by up to a TTL)."""
+        self.error: Exception | None = None
+        self._starved_since: float | None = None
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ftrt-fleet", daemon=True)
+        self._thread.start()
+        self._store = EtcdStore(endpoints, access=access, timeout=5.0)
+        try:
+            self.token = self._run(job_token(self._store, self.keys))
+            self._run(self._store.put(self.keys.rollout_spec, spec.encode(), timeout=5.0))
+        except StoreError:
+            self.close()
+            raise
+        self._wake = self._run(self._make_event())
+        self._progress = self._run(self._make_event())
+        self._pump_task = asyncio.run_coroutine_threadsafe(self._pump(), self._loop)
+
+    # -- the trainer's calls (any thread but the fleet's) ------------------------------------------------
+    def _run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @staticmethod
+    async def _make_event() -> asyncio.Event:
+        return asyncio.Event()
+
+    def publish(self, version: int, state: Mapping[str, torch.Tensor], keep_from: int) -> None:
+        """Make ``state`` weight version ``version``: it is pushed to every usable server in the
+        background, and a group of this version goes to a server as soon as that server holds it.
+        Versions below ``keep_from`` that no group needs any more are dropped."""
+        out = Outgoing(version, state)
+        self._run(self._publish(out, keep_from))
+
+    def push_stats(self, version: int) -> PushStats:
+        """How the push of ``version`` went so far: seconds from :meth:`publish` until the last server
+        that took it acknowledged it, bytes sent, servers that hold it."""
+        tally = self._pushes.get(version)
+        if tally is None:
+            return PushStats(version, 0.0, 0, 0)
+        return PushStats(version, tally.last - tally.started if tally.servers else 0.0, tally.bytes, tally.servers)
+
+    def submit(self, step: int, prompt_ids: list[int], version: int) -> None:
+        """Ask for step ``step``'s groups, sampled with weights ``version``."""
+        self._loop.call_soon_threadsafe(self._submit, step, prompt_ids, version)
+
+    def seed(self, step: int, results: dict[int, torch.Tensor], version: int) -> None:
+        """Step ``step``'s groups, already sampled (from a checkpoint)."""
+        self._run(self._seed(step, results, version))
+
+    def collect(self, step: int, *, keep: bool = False) -> tuple[dict[int, torch.Tensor], int]:
+        """Step ``step``'s completions by prompt id, waiting for all of them, and how many groups
+        were sent again; the step leaves the ledger unless ``keep``."""
+        return self._run(self._collect(step, keep))
+
+    @property
+    def live(self) -> int:
+        return sum(1 for s in list(self.servers.values()) if s.usable)
+
+    def close(self) -> None:
+        """Stop the pump and close every connection. Idempotent."""
+        if self._loop.is_closed():
+            return
+        self._closed = True
+        try:
+            self._run(self._shutdown(), timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            self._loop.close()
+
+    # -- on the fleet's loop -------------------------------------------------------------------------------
+    async def _shutdown(self) -> None:
+        pump = asyncio.wrap_future(self._pump_task) if hasattr(self, "_pump_task") else None
+        if pump is not None:
+            self._pump_task.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+        for s in list(self.servers.values()):
+            self._drop(s, "fleet closed")
+        await self._store.close()
+
+    def _submit(self, step: int, prompt_ids: list[int], version: int) -> None:
+        if version not in self.versions:
+            raise AssertionError(f"version {version} was not published")
+        self.ledger.add(step, prompt_ids, version)
+        self._wake.set()
+
+    async def _seed(self, step: int, results: dict[int, torch.Tensor], version: int) -> None:
+        self.ledger.seed(step, results, version)
+
+    async def _publish(self, out: Outgoing, keep_from: int) -> None:
+        self.versions[out.version] = out
+        self._pushes[out.version] = _PushTally(time.monotonic())
+        needed = self.ledger.needed_versions() | {out.version}
+        for v in [v for v in self.versions if v < keep_from and v not in needed]:
+            del self.versions[v]
+        for v in [v for v in self._pushes if v not in self.versions]:
+            del self._pushes[v]
+        self._wake.set()
+
+    async def _collect(self, step: int, keep: bool) -> tuple[dict[int, torch.Tensor], int]:
+        while not self.ledger.done(step):
+            if self.error is not None:
+                raise self.error
+            if not self.ledger.has(step):
+                raise AssertionError(f"step {step} was never submitted")
+            self._progress.clear()
+            try:
+                await asyncio.wait_for(self._progress.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+        results, redone = self.ledger.results(step), self.ledger.redispatched.get(step, 0)
+        if not keep:
+            self.ledger.forget(step)
+        return results, redone
+
+    async def _pump(self) -> None:
+        next_refresh = 0.0
+        while not self._closed:
+            now = time.monotonic()
+            if now >= next_refresh:
+                await self._refresh()
+                next_refresh = time.monotonic() + REFRESH_S
+            self._reconcile(now)
+            self._dispatch(now)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _refresh(self) -> None:
+        try:
+            kvs, _ = await self._store.get_prefix(self.keys.rollout_servers, timeout=2.0)
+        except StoreError as exc:
+            log.warning("cannot read the rollout servers from etcd: %s", exc)
+            return
+        seen = set()
+        for kv in kvs:
+            try:
+                rec = ServerRecord.decode(kv.value)
+            except (ValueError, KeyError, TypeError, FtrtError) as exc:
+                log.warning("ignoring a malformed rollout server record at %s: %s", kv.key, exc)
+                continue
+            if kv.key != self.keys.rollout_server(rec.server_id):
+                log.warning("ignoring the record at %s: it names server %s", kv.key, rec.server_id)
+                continue
+            seen.add(rec.server_id)
+            if self._dead.get(rec.server_id) == (rec.addr, rec.pid):
+                continue
+            self._dead.pop(rec.server_id, None)
+            old = self.servers.get(rec.server_id)
+            if old is not None and (old.record.addr != rec.addr or old.record.pid != rec.pid):
+                self._drop(old, "re-registered at another address or pid")
+                old = None
+            if old is None:
+                channel = grpc.aio.insecure_channel(rec.addr, options=[
+                    ("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)])
+                self.servers[rec.server_id] = _Server(rec, channel, rollout_pb2_grpc.RolloutServiceStub(channel),
+                                                      dict(rec.versions))
+                log.info("rollout server %s at %s joined (holds versions %s)", rec.server_id, rec.addr,
+                         sorted(rec.versions))
+                self._wake.set()
+        for sid in [sid for sid in self.servers if sid not in seen]:
+            self._drop(self.servers[sid], "its lease is gone")
+        for sid in [sid for sid in self._dead if sid not in seen]:
+            del self._dead[sid]
+
+    def _drop(self, s: _Server, why: str, *, dead: bool = False) -> None:
+        if self.servers.get(s.record.server_id) is s:
+            del self.servers[s.record.server_id]
+        if dead:
+            self._dead[s.record.server_id] = (s.record.addr, s.record.pid)
+        if not self._closed:
+            log.warning("rollout server %s left the fleet: %s", s.record.server_id, why)
+        for task in list(s.calls):
+            task.cancel()
+        if s.pushing is not None:
+            s.pushing.cancel()
+        asyncio.get_running_loop().create_task(s.channel.close())
+
+    def _bench(self, s: _Server, why: str) -> None:
+        if s.usable:
+            log.warning("rollout server %s taken out of routing: %s", s.record.server_id, why)
+        s.usable, s.why = False, why
+        s.probe_at = time.monotonic() + PROBE_S
+
+    def _reconcile(self, now: float) -> None:
+        """Push missing versions to usable servers; probe the benched; notice starvation."""
+        needed = sorted(self.versions, reverse=True)
+        for s in list(self.servers.values()):
+            if not s.usable and s.why != "push failed" and now >= s.probe_at and s.pushing is None:
+                s.probe_at = now + 10 * PROBE_S  # one probe at a time
+                s.pushing = asyncio.get_running_loop().create_task(self._probe(s))
+                continue
+            if s.pushing is not None or now < s.push_at:
+                continue
+            missing = [v for v in needed if s.versions.get(v) != self.versions[v].digest]
+            if missing and (s.usable or s.why == "push failed"):
+                s.pushing = asyncio.get_running_loop().create_task(self._push(s, self.versions[missing[0]]))
+        waiting = bool(self.ledger.waiting()) or bool(self.ledger.inflight())
+        if waiting and not any(s.usable for s in self.servers.values()):
+            if self._starved_since is None:
+                self._starved_since = now
+                log.warning("no usable rollout server; groups wait (up to rollout.wait_timeout = %g s)",
+                            self.wait_timeout)
+            elif now - self._starved_since > self.wait_timeout and self.error is None:
+                self.error = RolloutUnavailable(
+                    f"No rollout server of job {self.keys.job_id} could serve for {self.wait_timeout:g} s "
+                    f"(rollout.wait_timeout); start some with: ftrt rollout serve --etcd ... --job-id "
+                    f"{self.keys.job_id}.")
+                self._progress.set()
+        else:
+            self._starved_since = None
+
+    async def _probe(self, s: _Server) -> None:
+        try:
+            info = await s.stub.Info(rollout_pb2.InfoRequest(), timeout=PROBE_S)
+            if not info.fenced and s.why != "push failed":
+                s.versions = {v: d for v, d in s.versions.items() if v in set(info.held)}
+                s.usable, s.why = True, ""
+                log.info("rollout server %s answers again; back in routing", s.record.server_id)
+                self._wake.set()
+        except grpc.aio.AioRpcError:
+            pass
+        finally:
+            s.probe_at = time.monotonic() + PROBE_S
+            s.pushing = None
+
+    async def _push(self, s: _Server, out: Outgoing) -> None:
+        keep_from = min(self.versions)
+        try:
+            reply = await s.stub.PushWeights(chunks(out, keep_from), timeout=self.push_timeout,
+                                             metadata=self.token.metadata())
+            held = set(reply.held)
+            s.versions = {v: d for v, d in s.versions.items() if v in held}
+            s.versions[out.version] = out.digest
+            tally = self._pushes.get(out.version)
+            if tally is not None:
+                tally.last, tally.servers, tally.bytes = time.monotonic(), tally.servers + 1, tally.bytes + out.nbytes
+            if not s.usable and s.why == "push failed":
+                s.usable, s.why = True, ""
+                log.info("rollout server %s took version %d; back in routing", s.record.server_id, out.version)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._drop(s, f"unreachable during a push ({exc.details()})", dead=True)
+            else:
+                self._bench(s, "push failed")
+                log.warning("push of version %d to %s failed: %s %s", out.version, s.record.server_id,
+                            exc.code().name, exc.details())
+            s.push_at = time.monotonic() + 1.0
+        finally:
+            s.pushing = None
+            self._progress.set()
+            self._wake.set()
+
+    def _dispatch(self, now: float) -> None:
+        for key, sid in self.ledger.overdue(now):
+            s = self.servers.get(sid)
+            if s is not None:
+                self._bench(s, f"missed the {self.request_timeout:g} s deadline of a group")
+            self.ledger.failed(key, sid)
+        views = [ServerView(s.record.server_id, frozenset(v for v, d in s.versions.items()
+                                                          if v in self.versions and self.versions[v].digest == d),
+                            0, s.usable) for s in self.servers.values()]
+        inflight = self.ledger.inflight()
+        views = [ServerView(v.server_id, v.versions, inflight.get(v.server_id, 0), v.usable) for v in views]
+        for key, sid in route(self.ledger.waiting(), views, self.per_server):
+            s = self.servers[sid]
+            version = next(v for k, v in self.ledger.waiting() if k == key)
+            # the ledger's deadline is a backstop a little after the call's own
+            self.ledger.sent(key, sid, now + self.request_timeout + 0.5)
+            task = asyncio.get_running_loop().create_task(self._call(s, key, version))
+            s.calls.add(task)
+            task.add_done_callback(s.calls.discard)
+
+    async def _call(self, s: _Server, key: GroupKey, version: int) -> None:
+        sid = s.record.server_id
+        req = rollout_pb2.GenerateRequest(step=key.step, prompt_id=key.prompt_id, version=version,
+                                          weights_digest=self.versions[version].digest)
+        try:
+            reply = await s.stub.Generate(req, timeout=self.request_timeout, metadata=self.token.metadata())
+            tokens = self._check(reply, key, version)
+            self.ledger.answered(key, sid, tokens)
+        except asyncio.CancelledError:
+            self.ledger.failed(key, sid)
+            raise
+        except BadReply as exc:
+            self._bench(s, f"bad answer: {exc}")
+            self.ledger.failed(key, sid)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self._drop(s, f"died or fenced while sampling ({exc.details()})", dead=True)
+            elif code == grpc.StatusCode.FAILED_PRECONDITION:
+                s.versions.pop(version, None)
+            else:
+                self._bench(s, f"{code.name}: {exc.details()}")
+            self.ledger.failed(key, sid)
+        finally:
+            self._progress.set()
+            self._wake.set()
+
+    def _check(self, reply, key: GroupKey, version: int) -> torch.Tensor:
+        g, n = self.shape
+        if (reply.step, reply.prompt_id, reply.version) != (key.step, key.prompt_id, version):
+            raise BadReply(f"answered step {reply.step} prompt {reply.prompt_id} version {reply.version} for "
+                           f"step {key.step} prompt {key.prompt_id} version {version}")
+        if (reply.group, reply.width) != (g, n) or len(reply.tokens) != g * n * 4:
+            raise BadReply(f"{reply.group}x{reply.width} tokens ({len(reply.tokens)} bytes), not {g}x{n}")
+        ids = torch.from_numpy(np.frombuffer(reply.tokens, dtype="<i4").astype(np.int64)).view(g, n)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise BadReply(f"token ids outside the vocabulary of {self.vocab_size}")
+        return ids

@@ -1,0 +1,291 @@
+"""``ftrt rollout serve``: one rollout server of a job.
+
+Its life: read the job's token and wait for the trainer's policy spec in etcd; build the engine;
+serve ``ftrt.v1.RolloutService`` on a port; register ``/ftrt/<job>/rollout/servers/<id>`` under
+a lease (address, engine, the weight version it holds) and keep it alive. Pushes and generation
+need the job's token. When the lease is lost (etcd unreachable, the process frozen past the TTL)
+the server **fences** itself: it answers no Generate until it has registered again under a fresh
+lease, so a trainer that gave up on it never gets a late answer from it for new work.
+
+A server holds one weight version at a time and samples only with it: a request for another
+version is refused (FAILED_PRECONDITION) and the trainer routes it elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from ftrt.agents.auth import JobToken, job_token
+from ftrt.agents.session import Session
+from ftrt.errors import ConfigError, StoreError
+from ftrt.jobkeys import JobKeys, check_id
+from ftrt.rollout.engine import BuiltinEngine
+from ftrt.rollout.spec import PolicySpec, decode_spec
+from ftrt.rollout.weights import Assembler, PushRefused
+from ftrt.store import access as etcd_access
+from ftrt.store.api import Store
+from ftrt.store.etcd import EtcdStore
+from ftrt.v1 import rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger("ftrt.rollout")
+
+MAX_MESSAGE = 8 << 20
+
+
+@dataclass(frozen=True)
+class ServerRecord:
+    """A server's registration in etcd (JSON; the one owner of its fields)."""
+
+    server_id: str
+    addr: str
+    engine: str
+    versions: dict[int, str]
+    """The weight versions held, with their digests."""
+    pid: int
+
+    def encode(self) -> bytes:
+        data = {**self.__dict__, "versions": {str(v): d for v, d in self.versions.items()}}
+        return json.dumps(data, sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "ServerRecord":
+        """A record from etcd, checked field by field; ValueError if it is not one."""
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        rec = cls(server_id=check_id("rollout server id", data.get("server_id")), addr=str(data["addr"]),
+                  engine=str(data["engine"]),
+                  versions={int(v): str(d) for v, d in dict(data["versions"]).items()}, pid=int(data["pid"]))
+        host, _, port = rec.addr.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"address {rec.addr!r} is not HOST:PORT")
+        return rec
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    """Answers for one server: generation with the version it holds, pushes from token holders."""
+
+    def __init__(self, server_id: str, job_id: str, engine: BuiltinEngine, token: JobToken,
+                 on_version) -> None:
+        self.server_id = server_id
+        self.job_id = job_id
+        self.engine = engine
+        self.token = token
+        self.on_version = on_version
+        self.fenced = True  # until registered
+        self.served = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrt-generate")
+        self._push_lock = asyncio.Lock()
+
+    async def _authorize(self, context) -> None:
+        if not self.token.allows(context.invocation_metadata()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "This call needs the job's token, which it did not show; only the job's trainer "
+                                "holds it.")
+
+    async def Generate(self, request, context):
+        await self._authorize(context)
+        if self.fenced:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"Rollout server {self.server_id} lost its lease and serves nothing until it has "
+                                "registered again.")
+        held = self.engine.lookup(request.version, request.weights_digest)
+        if held is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"Rollout server {self.server_id} holds weight versions "
+                                f"{sorted(self.engine.versions)}, not {request.version} ({request.weights_digest[:12]}); "
+                                "push it first.")
+        if request.step < 0 or request.prompt_id < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "step and prompt_id must be >= 0.")
+        t0 = time.perf_counter()
+        out = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.engine.generate, held, request.step, request.prompt_id)
+        self.served += 1
+        import torch
+
+        return rollout_pb2.GenerateReply(
+            step=request.step, prompt_id=request.prompt_id, version=held.version, group=out.shape[0],
+            width=out.shape[1], tokens=out.to(torch.int32).numpy().astype("<i4").tobytes(),
+            server_id=self.server_id, generate_s=time.perf_counter() - t0)
+
+    async def PushWeights(self, request_iterator, context):
+        await self._authorize(context)
+        async with self._push_lock:  # one push at a time; a second waits
+            asm = Assembler(self.engine.expected)
+            t0 = time.perf_counter()
+            try:
+                async for msg in request_iterator:
+                    asm.feed(msg)
+                tensors = asm.result()
+            except PushRefused as exc:
+                log.warning("weight push refused (versions held still %s): %s", sorted(self.engine.versions), exc)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            apply_s = await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.apply, asm.version, asm.digest, tensors, asm.keep_from)
+            log.info("now serving weight version %d (%s; %.1f MB in %.3f s, applied in %.3f s)", asm.version,
+                     asm.digest[:12], asm.received / 1e6, time.perf_counter() - t0, apply_s)
+            await self.on_version()
+            return rollout_pb2.PushReply(version=asm.version, digest=asm.digest, bytes=asm.received,
+                                         apply_s=apply_s, held=sorted(self.engine.versions))
+
+    async def Info(self, request, context):
+        newest = self.engine.newest
+        return rollout_pb2.InfoReply(server_id=self.server_id, job_id=self.job_id, engine=self.engine.name,
+                                     version=newest.version, digest=newest.digest, served=self.served,
+                                     fenced=self.fenced, held=sorted(self.engine.versions))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def wait_for_spec(store: Store, keys: JobKeys, *, poll: float = 0.5) -> PolicySpec:
+    """The policy spec the trainer published, waiting for it (with a line every 30 s)."""
+    said = 0.0
+    while True:
+        kv, _ = await store.get(keys.rollout_spec)
+        if kv is not None:
+            return decode_spec(kv.value, keys.rollout_spec)
+        if time.monotonic() - said > 30:
+            log.info("waiting for the trainer of job %s to publish its policy spec at %s", keys.job_id,
+                     keys.rollout_spec)
+            said = time.monotonic()
+        await asyncio.sleep(poll)
+
+
+class Registration:
+    """The server's record in etcd under a lease, kept alive and renewed after a loss."""
+
+    def __init__(self, store: Store, keys: JobKeys, servicer: RolloutServicer, addr: str, ttl: float) -> None:
+        self.store = store
+        self.keys = keys
+        self.servicer = servicer
+        self.addr = addr
+        self.ttl = ttl
+        self.session: Session | None = None
+
+    def record(self) -> ServerRecord:
+        return ServerRecord(server_id=self.servicer.server_id, addr=self.addr, engine=self.servicer.engine.name,
+                            versions=self.servicer.engine.versions, pid=os.getpid())
+
+    async def publish(self) -> None:
+        """Write the record (its version changed); a lost lease is the keep-alive's to handle."""
+        s = self.session
+        if s is None or s.expired():
+            return
+        try:
+            await self.store.put(self.keys.rollout_server(self.servicer.server_id), self.record().encode(),
+                                 lease=s.lease_id, timeout=5.0)
+        except StoreError as exc:
+            log.warning("could not update this server's record: %s", exc)
+
+    async def run(self) -> None:
+        """Register, serve until the lease is lost, fence, register again; forever."""
+        while True:
+            try:
+                self.session = await Session(self.store, self.ttl).start()
+                await self.store.put(self.keys.rollout_server(self.servicer.server_id), self.record().encode(),
+                                     lease=self.session.lease_id, timeout=5.0)
+            except StoreError as exc:
+                log.warning("cannot register with etcd (%s); trying again in 1 s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            self.servicer.fenced = False
+            log.info("registered as %s at %s (lease %#x, %g s TTL)", self.servicer.server_id, self.addr,
+                     self.session.lease_id, self.session.granted_ttl)
+            fence = asyncio.create_task(self._fence_on_expiry(self.session))
+            await self.session.lost.wait()
+            fence.cancel()
+            self.servicer.fenced = True
+            log.warning("lease lost (%s): fenced, serving nothing until registered again", self.session.lost_reason)
+
+    async def _fence_on_expiry(self, session: Session) -> None:
+        """Fence at the local lease deadline even if the keep-alive has not noticed yet."""
+        while not session.lost.is_set():
+            if session.expired():
+                self.servicer.fenced = True
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ftrt rollout serve", description="Serve rollouts for one job's trainer "
+                                "(rollout.mode=fleet); see docs/rollout.md.")
+    p.add_argument("--etcd", required=True, metavar="HOST:PORT[,...]", help="the job's etcd endpoints")
+    p.add_argument("--job-id", required=True, help="the job to serve")
+    p.add_argument("--server-id", default=None, help="this server's name in the job (default: HOST-PID)")
+    p.add_argument("--engine", choices=["builtin"], default="builtin",
+                   help="builtin: the GRPO policy with counter-seeded sampling (bit-exact)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on and to register (default loopback)")
+    p.add_argument("--port", type=int, default=0, help="port to serve on (default: a free one)")
+    p.add_argument("--lease-ttl", type=float, default=5.0, help="seconds of etcd lease; the server fences "
+                   "itself when it cannot renew within them (default 5)")
+    etcd_access.add_arguments(p)
+    return p
+
+
+async def serve(ns: argparse.Namespace) -> None:
+    check_id("job id", ns.job_id)
+    server_id = check_id("rollout server id", ns.server_id or f"{socket.gethostname()}-{os.getpid()}")
+    if not 0 <= ns.port <= 65535:
+        raise ConfigError(f"--port {ns.port} is not a port; give 0-65535 (0: a free one).")
+    if ns.lease_ttl < 1:
+        raise ConfigError(f"--lease-ttl {ns.lease_ttl} is below etcd's 1 s granularity; give at least 1.")
+    access = etcd_access.from_args(ns)
+    store = EtcdStore(ns.etcd, access=access)
+    keys = JobKeys(ns.job_id)
+    try:
+        token = await job_token(store, keys)
+        spec = await wait_for_spec(store, keys)
+        engine = BuiltinEngine(spec)
+        log.info("policy of job %s built (%s engine, spec %s)", ns.job_id, engine.name, spec.digest)
+        registration: Registration
+        servicer = RolloutServicer(server_id, ns.job_id, engine, token, on_version=lambda: registration.publish())
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE),
+                                          ("grpc.max_send_message_length", MAX_MESSAGE)])
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port(f"{ns.host}:{ns.port}")
+        if not port:
+            raise ConfigError(f"Cannot serve on {ns.host}:{ns.port}; is the port taken?")
+        await server.start()
+        registration = Registration(store, keys, servicer, f"{ns.host}:{port}", ns.lease_ttl)
+        print(f"ftrt rollout: serving job {ns.job_id} as {server_id} at {ns.host}:{port}", flush=True)
+        try:
+            await registration.run()
+        finally:
+            servicer.fenced = True
+            await registration.close()
+            await server.stop(0.5)
+            servicer.close()
+    finally:
+        await store.close()
+
+
+def serve_main(argv: list[str]) -> int:
+    ns = build_parser().parse_args(argv)
+    asyncio.run(serve(ns))
+    return 0
+
+
+def rollout_main(argv: list[str]) -> int:
+    """``ftrt rollout SUBCOMMAND``: today ``serve``."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: ftrt rollout serve --etcd HOST:PORT --job-id ID [--server-id NAME] [--host ADDR] [--port P]\n"
+              "Serve rollouts for one job's trainer (rollout.mode=fleet); ftrt rollout serve --help for more.")
+        return 0
+    if argv[0] != "serve":
+        raise ConfigError(f"Unknown rollout command {argv[0]!r}; use: ftrt rollout serve ...")
+    return serve_main(argv[1:])

@@ -1,0 +1,204 @@
+"""The rollout fleet end to end: real etcd, real `ftrt rollout serve` processes, real trainers.
+
+Every fault test compares the trainer's metrics lines with the fault-free fleet run of the same
+config (bit for bit: rewards, losses, prompt ids, weight versions) and checks that the trainer
+was never restarted.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+
+from ftrt.agents.auth import JobToken
+from ftrt.v1 import rollout_pb2, rollout_pb2_grpc
+from tests.agents.harness import FAST_WARM, Node
+from tests.rollout.fleetkit import Server, exact, fleet_config, lines, stop_all, trainer, wait_registered, wait_steps
+
+pytestmark = pytest.mark.slow
+
+STEPS = 160
+CONFIG = [f"steps={STEPS}", "prompts_per_step=8", "group_size=4", "model.d_model=32", "model.n_layers=1",
+          "model.n_heads=2", "checkpoint.url=null"]
+
+
+def _fleet_run(tmp, etcd, job_id, name, servers=2, extra=(), during=None):
+    """A one-process trainer against ``servers`` fresh servers; ``during(servers, metrics)`` injects
+    faults while it runs. Returns the metrics lines and the servers' logs."""
+    procs = [Server(tmp, etcd, job_id, f"{name}-s{i}") for i in range(servers)]
+    t = None
+    try:
+        t = trainer(tmp, fleet_config(tmp, name, etcd, job_id, *CONFIG, *extra))
+        if during is not None:
+            during(procs, tmp / f"{name}.jsonl")
+        assert t.wait(240) == 0, (tmp / "trainer.log").read_text()[-3000:]
+    finally:
+        stop_all([*procs, *([t] if t else [])])
+    return lines(tmp / f"{name}.jsonl"), procs
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, etcd_server):
+    tmp = tmp_path_factory.mktemp("fleet-ref")
+    rows, _ = _fleet_run(tmp, etcd_server.endpoint, "fleet-ref", "ref")
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert all(r["weight_version"] == r["step"] for r in rows)  # K = 0: the weights after the step before
+    return rows
+
+
+def test_a_killed_server_and_an_added_one_leave_the_run_bit_identical(tmp_path, reference, etcd_endpoint, job_id):
+    added = []
+
+    def faults(servers, metrics):
+        wait_steps(metrics, 3)
+        added.append(Server(tmp_path, etcd_endpoint, job_id, "added"))
+        wait_registered(added)
+        freeze_holding_groups(servers[0], metrics)
+        servers[0].signal(signal.SIGKILL)  # its groups are lost: the connection resets
+
+    try:
+        rows, servers = _fleet_run(tmp_path, etcd_endpoint, job_id, "run", during=faults)
+    finally:
+        stop_all(added)
+    assert exact(rows) == exact(reference)
+    assert rows[-1]["resumes"] == 0 and rows[-1]["redone"] == 0  # the trainer never restarted
+    assert sum(r["redispatched"] for r in rows) >= 1
+    assert "now serving weight version" in added[0].log()  # the new server got the weights ...
+    assert rows[-1]["rollout_servers"] == 2  # ... and took work in place of the dead one
+
+
+def test_a_frozen_server_is_routed_around_and_rejoins(tmp_path, reference, etcd_endpoint, job_id):
+    def faults(servers, metrics):
+        wait_steps(metrics, 5)
+        freeze_holding_groups(servers[1], metrics)
+        time.sleep(6.0)  # past request_timeout and the server's lease
+        servers[1].signal(signal.SIGCONT)
+
+    rows, servers = _fleet_run(tmp_path, etcd_endpoint, job_id, "run",
+                               extra=["rollout.request_timeout=2"], during=faults)
+    assert exact(rows) == exact(reference)
+    assert rows[-1]["resumes"] == 0
+    assert sum(r["redispatched"] for r in rows) >= 1
+
+
+def freeze_holding_groups(server: Server, metrics, tries: int = 50) -> None:
+    """SIGSTOP ``server`` at a moment it holds prompt groups: the trainer then makes no progress (a
+    freeze while it holds none, e.g. mid-push, is undone and tried again)."""
+    for _ in range(tries):
+        server.signal(signal.SIGSTOP)
+        before = len(lines(metrics))
+        time.sleep(0.5)
+        if len(lines(metrics)) == before:
+            return
+        server.signal(signal.SIGCONT)
+        time.sleep(0.1)
+    raise AssertionError(f"{server.server_id} never held groups when frozen")
+
+
+def test_no_server_fails_with_a_clear_error_instead_of_hanging(tmp_path, etcd_endpoint, job_id):
+    t = trainer(tmp_path, fleet_config(tmp_path, "run", etcd_endpoint, job_id, *CONFIG, "rollout.wait_timeout=2"))
+    try:
+        rc = t.wait(90)
+    finally:
+        stop_all([t])
+    out = (tmp_path / "trainer.log").read_text()
+    assert rc != 0 and "No rollout server of job" in out and "rollout.wait_timeout" in out, out[-2000:]
+    assert "Traceback" not in out
+
+
+def test_pushes_need_the_token_and_a_bad_push_changes_nothing(tmp_path, etcd_endpoint, job_id):
+    """A rogue client, then a corrupt push: the server keeps serving the version it had."""
+    holder = {}
+
+    def faults(servers, metrics):
+        wait_steps(metrics, 3)
+        import asyncio
+
+        from ftrt.agents.auth import job_token
+        from ftrt.jobkeys import JobKeys
+        from ftrt.rollout.server import ServerRecord
+        from ftrt.store.etcd import EtcdStore
+
+        async def look():
+            store = EtcdStore(etcd_endpoint)
+            try:
+                kv, _ = await store.get(JobKeys(job_id).rollout_server(servers[0].server_id))
+                return ServerRecord.decode(kv.value), await job_token(store, JobKeys(job_id))
+            finally:
+                await store.close()
+
+        rec, token = asyncio.run(look())
+        with grpc.insecure_channel(rec.addr) as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            before = stub.Info(rollout_pb2.InfoRequest())
+            header = rollout_pb2.WeightChunk(version=999, digest="f" * 32, tensors=1)
+            with pytest.raises(grpc.RpcError) as no_token:
+                stub.PushWeights(iter([header, rollout_pb2.WeightChunk(commit=True)]))
+            with pytest.raises(grpc.RpcError) as forged:
+                stub.PushWeights(iter([header, rollout_pb2.WeightChunk(commit=True)]), metadata=token.metadata())
+            with pytest.raises(grpc.RpcError) as wrong_token:
+                stub.Generate(rollout_pb2.GenerateRequest(step=0, prompt_id=0, version=0),
+                              metadata=JobToken("x" * 64).metadata())
+            after = stub.Info(rollout_pb2.InfoRequest())
+        holder.update(before=before, after=after, no_token=no_token.value.code(), forged=forged.value,
+                      wrong_token=wrong_token.value.code())
+
+    rows, servers = _fleet_run(tmp_path, etcd_endpoint, job_id, "run", during=faults)
+    assert holder["no_token"] == grpc.StatusCode.UNAUTHENTICATED
+    assert holder["wrong_token"] == grpc.StatusCode.UNAUTHENTICATED
+    assert holder["forged"].code() == grpc.StatusCode.INVALID_ARGUMENT, holder["forged"].details()
+    assert 999 not in holder["after"].held and holder["after"].held  # still serving real versions
+    assert [r["step"] for r in rows] == list(range(STEPS))
+
+
+# -- off-policy steps (K = 1) under ftrt launch: 2 ranks, the samples ahead in every checkpoint ---------
+
+K1 = [*CONFIG[:-1], "rollout.max_off_policy_steps=1", "checkpoint.memory_interval=1", "checkpoint.interval=5"]
+
+
+def _launch(tmp, etcd, job_id, name):
+    return ["--etcd", etcd, "--job-id", job_id, "--nnodes", "1", "--nproc-per-node", "2", "--lease-ttl", "2",
+            "--first-round-wait", "1", *FAST_WARM, "-m", "ftrt.grpo", *K1, f"metrics_path={tmp / name}.jsonl",
+            f"checkpoint.url={tmp / name}-ck", "rollout.mode=fleet", "progress=none"]
+
+
+def _launched_run(tmp, etcd, job_id, name, during=None):
+    servers = [Server(tmp, etcd, job_id, f"{name}-s{i}") for i in range(2)]
+    node = Node(tmp, name, _launch(tmp, etcd, job_id, name)).start()
+    try:
+        if during is not None:
+            during(node, tmp / f"{name}.jsonl")
+        assert node.wait(240) == 0, node.log()[-3000:]
+    finally:
+        node.cleanup()
+        stop_all(servers)
+    return lines(tmp / f"{name}.jsonl"), node
+
+
+@pytest.fixture(scope="module")
+def reference_k1(tmp_path_factory, etcd_server):
+    tmp = tmp_path_factory.mktemp("fleet-k1-ref")
+    rows, _ = _launched_run(tmp, etcd_server.endpoint, "fleet-k1-ref", "ref")
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["weight_version"] for r in rows] == [max(0, s - 1) for s in range(STEPS)]
+    return rows
+
+
+def test_off_policy_samples_ahead_survive_a_trainer_restart(tmp_path, reference_k1, etcd_endpoint, job_id):
+    """A killed trainer rank: the job resumes from memory with the step sampled ahead restored from
+    the checkpoint (its weights are gone), and trains exactly what the fault-free run trained."""
+    import os
+
+    from ftrt.chaos.local import worker_pids
+
+    def faults(node, metrics):
+        wait_steps(metrics, 7)
+        os.kill(worker_pids(etcd_endpoint, job_id)[1], signal.SIGKILL)
+
+    rows, node = _launched_run(tmp_path, etcd_endpoint, job_id, "run", during=faults)
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert rows[-1]["resumes"] == 1, rows[-1]
+    assert exact(rows) == exact(reference_k1)
