@@ -15,6 +15,7 @@ import json
 import time
 
 from ftrt.agents.events import recent_events
+from ftrt.errors import FtrtError
 from ftrt.jobkeys import JobKeys, check_id
 from ftrt.records import DeciderRecord, JobState, NodeRecord, RoundRecord, decode
 from ftrt.roster import load_round
@@ -51,6 +52,7 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
         log = await recent_events(store, keys, events)
         ptr_kv, _ = await store.get(keys.ckpt + "latest")
         latest = json.loads(ptr_kv.value) if ptr_kv else None
+        rollout = await _rollout_servers(store, keys)
     finally:
         await store.close()
     workers = await _agent_workers([n for n in nodes.values() if rnd and rnd.member(n.node_id)], agent_tls)
@@ -70,8 +72,26 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
         "nodes": {nid: dataclasses.asdict(n) for nid, n in sorted(nodes.items())},
         "workers": workers,
         "latest_checkpoint": latest,
+        "rollout_servers": rollout,
         "events": log,
     }
+
+
+async def _rollout_servers(store: EtcdStore, keys: JobKeys) -> list[dict]:
+    """The job's registered rollout servers (``ftrt rollout serve``) and the weight versions they hold."""
+    from ftrt.rollout.records import ServerRecord
+
+    kvs, _ = await store.get_prefix(keys.rollout_servers)
+    out = []
+    for kv in kvs:
+        try:
+            rec = ServerRecord.decode(kv.value)
+        except (ValueError, KeyError, TypeError, FtrtError):
+            out.append({"server_id": kv.key.rsplit("/", 1)[-1], "error": "malformed record"})
+            continue
+        out.append({"server_id": rec.server_id, "addr": rec.addr, "engine": rec.engine, "pid": rec.pid,
+                    "versions": sorted(rec.versions)})
+    return out
 
 
 async def _agent_workers(nodes: list[NodeRecord], tls: AgentTls) -> dict[str, list[dict]]:
@@ -125,6 +145,15 @@ def render(st: dict) -> str:
     if ck:
         when = time.strftime("%H:%M:%S", time.localtime(ck["time"]))
         lines.append(f"latest checkpoint: step {ck['step']} at {when} (round {ck['round']}) in {ck['url']}")
+    if st.get("rollout_servers"):
+        lines.append("rollout servers:")
+        for r in st["rollout_servers"]:
+            if "error" in r:
+                lines.append(f"       {r['server_id']:<20} {r['error']}")
+                continue
+            held = ", ".join(map(str, r["versions"])) or "none yet"
+            lines.append(f"       {r['server_id']:<20} {r['engine']} at {r['addr']} pid {r['pid']}, "
+                         f"weight versions {held}")
     members = {m["node_id"] for m in rnd["members"]} if rnd else set()
     others = [n for nid, n in st["nodes"].items() if nid not in members]
     if others:

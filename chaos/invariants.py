@@ -18,6 +18,8 @@ can be tested on small hand-made inputs. :func:`judge` applies them all to one r
 - ``metrics_agree`` (one ``kill_node`` or ``kill_worker`` fault): each agent that saw the
   recovery reports it in ``ftrt_recovery_seconds`` within 0.5 s + 25 % of the time measured
   from the steps;
+- ``trainer_untouched`` (faults of the rollout fleet only): no trainer process was restarted
+  (the metrics count no resume);
 - ``no_process_left``: no process the run started is still alive;
 - ``no_stale_keys``: no key under the job's etcd prefix is still attached to a lease.
 """
@@ -183,6 +185,20 @@ def no_stale_keys(stale: list[str]) -> Verdict:
     return not stale, "no leased key left under the job's prefix" if not stale else f"leased keys left: {stale}"
 
 
+def _rollout_only(records: list[FaultRecord]) -> bool:
+    from ftrt.chaos.scenario import ROLLOUT_KINDS
+
+    done = injected(records)
+    return bool(done) and all(r.kind in ROLLOUT_KINDS for r in done)
+
+
+def trainer_untouched(lines: list[dict]) -> Verdict:
+    """No trainer process restarted: the last metrics line counts no resume."""
+    resumes = lines[-1].get("resumes", 0) if lines else 0
+    return resumes == 0, ("no trainer process was restarted" if resumes == 0
+                          else f"the trainer resumed {resumes} time(s) from a checkpoint")
+
+
 def judge(sc: Scenario, job: JobResult, reference: list[dict] | None, alive: list[int]) -> dict[str, dict]:
     """Every invariant that applies to the run ``job`` of ``sc``, in the report's order, as
     ``{name: {"ok": ..., "reason": ...}}``. ``reference``: the fault-free run's metrics lines
@@ -198,6 +214,7 @@ def judge(sc: Scenario, job: JobResult, reference: list[dict] | None, alive: lis
                         else same_prompts(lines, per) if sc.expect.equivalence == "ledger" else None),
         "world_grows": world_grows(world_sizes(lines)) if sc.expect.world_grows else None,
         "metrics_agree": metrics_agree(injected(job.records), job.scraped),
+        "trainer_untouched": trainer_untouched(lines) if _rollout_only(job.records) else None,
         "no_process_left": no_process_left(alive),
         "no_stale_keys": no_stale_keys(job.stale),
     }

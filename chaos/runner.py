@@ -118,7 +118,8 @@ class ChaosRun:
                      access=None, agent_flags: list[str] | None = None) -> list[str]:
         c = self.sc.cluster
         grpo = {**self.sc.job.grpo, "steps": self.sc.steps, "progress": "none", "seed": self.seed,
-                "metrics_path": str(self.work / f"{run}-metrics.jsonl"), **ckpt}
+                "metrics_path": str(self.work / f"{run}-metrics.jsonl"), **ckpt,
+                **({"rollout.mode": "fleet"} if c.rollout_servers else {})}
         return ["--etcd", endpoints, *(access.flags() if access else []), *(agent_flags or []), "--job-id", job_id, "--nnodes", f"{c.min_nodes or 1}:{max_nodes}",
                 "--nproc-per-node", str(c.workers_per_node), "--lease-ttl", str(c.lease_ttl),
                 "--hang-timeout", str(c.hang_timeout), "--first-round-wait", "5",
@@ -175,12 +176,25 @@ class ChaosRun:
 
             nodes: dict[str, LocalNode] = {}
             stack.callback(lambda: [node.cleanup() for node in nodes.values()])
+            rollouts = None
+            if sc.cluster.rollout_servers:
+                from ftrt.chaos.faults.rollout import RolloutServers
+
+                rollouts = RolloutServers(self.work, run, endpoints, job_id, host, sc.cluster.lease_ttl,
+                                          access.flags() if access else [])
+                stack.callback(rollouts.stop_all)
+                for i in range(sc.cluster.rollout_servers):
+                    rollouts.start(f"rollout{i}")
             for i in range(sc.cluster.nodes):
                 nodes[f"node{i}"] = start_node(f"node{i}")
             ctx = Context(nodes, etcd, endpoints, job_id, self.work / f"{run}-ckpt", self.rng, start_node,
                           lab=lab, storage_proxy=proxy, etcd_access=access, metrics_ports=ports,
-                          agent_tls=agent_tls)
+                          agent_tls=agent_tls, rollouts=rollouts)
             self._drive(ctx, faults, metrics, deadline, res)
+            if rollouts is not None:  # the job is over: its servers go (each revokes its lease)
+                rollouts.stop_all()
+                res.pids.update(rollouts.pids)
+                _wait_for_rollout_keys(endpoints, job_id, access, sc.cluster.lease_ttl + 2.0)
             res.codes = {n: node.proc.poll() for n, node in nodes.items() if n not in ctx.killed}
             res.stale = asyncio.run(_leased_keys(endpoints, job_id, access))
             res.ctx = ctx
@@ -254,8 +268,8 @@ class ChaosRun:
                         res.scraped[name] = got
             find_agents(n for n in nodes.values() if n.alive())  # then a fault's warm check is one quick RPC each
             time.sleep(0.05)
-        for _, rec, inj in ends:  # the run is over: end what is still going on (a dead node stays dead)
-            if rec.kind != "kill_node":
+        for _, rec, inj in ends:  # the run is over: end what is still going on (the dead stay dead)
+            if rec.kind not in ("kill_node", "kill_rollout"):
                 inj.end()
                 rec.ended_at = round(time.time() - (res.t_first or time.time()), 3)
         for f in pending:
@@ -372,6 +386,19 @@ async def _leased_keys(endpoints: str, job_id: str, access=None) -> list[str]:
         return [f"(could not read etcd: {type(exc).__name__})"]
     finally:
         await store.close()
+
+
+def _wait_for_rollout_keys(endpoints: str, job_id: str, access, timeout: float) -> None:
+    """Give the leases of killed rollout servers up to ``timeout`` to run out (their keys would
+    otherwise count as stale: a SIGKILLed process cannot revoke its lease)."""
+    from ftrt.jobkeys import JobKeys
+
+    prefix = JobKeys(job_id).rollout_servers
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not [k for k in asyncio.run(_leased_keys(endpoints, job_id, access)) if k.startswith(prefix)]:
+            return
+        time.sleep(0.25)
 
 
 def _scan_checkpoints(url: str, storage_options: dict | None, damaged: set[int]) -> CheckpointScan:

@@ -23,15 +23,17 @@ from ftrt.errors import ConfigError
 FaultKind = Literal[
     "kill_worker", "kill_node", "freeze_worker", "freeze_node", "kill_etcd_member", "stop_etcd",
     "corrupt_checkpoint", "truncate_checkpoint", "add_node", "partition_node", "storage_outage",
-    "storage_slow",
+    "storage_slow", "kill_rollout", "freeze_rollout", "add_rollout",
 ]
 DURATION_KINDS = {"freeze_worker", "freeze_node", "kill_etcd_member", "stop_etcd", "partition_node",
-                  "storage_outage", "storage_slow"}
+                  "storage_outage", "storage_slow", "freeze_rollout"}
 """Faults that last: they need ``duration_s`` (``kill_node`` takes one optionally: the node restarts after it)."""
 NODE_KINDS = {"kill_worker", "kill_node", "freeze_worker", "freeze_node", "partition_node"}
 """Faults whose ``target`` is a node."""
+ROLLOUT_KINDS = {"kill_rollout", "freeze_rollout", "add_rollout"}
+"""Faults of the rollout fleet (``cluster.rollout_servers``); ``target`` is a server (rollout0, ...)."""
 STORM_KINDS = ("kill_worker", "kill_node", "freeze_worker", "freeze_node", "partition_node", "stop_etcd",
-               "storage_outage", "storage_slow")
+               "storage_outage", "storage_slow", "kill_rollout", "freeze_rollout", "add_rollout")
 """What a storm may draw (each only where the cluster supports it)."""
 
 
@@ -66,6 +68,8 @@ class Cluster(_Strict):
         "--etcd-* access flags, as on a production cluster")
     agent_tls: bool = Field(False, description="agents speak mutual TLS to each other (--tls-cert/--tls-key/--tls-ca, "
                             "certificates made for the run)")
+    rollout_servers: int = Field(0, ge=0, le=8, description="rollout servers (`ftrt rollout serve`, named rollout0, "
+                                 "...) started beside the nodes; > 0 runs the job with rollout.mode=fleet")
 
 
 class Job(_Strict):
@@ -150,8 +154,18 @@ class Scenario(_Strict):
                 raise ValueError(f"faults.{i}: {f.kind} needs cluster.storage: s3")
             if f.kind.endswith("_checkpoint") and self.cluster.storage != "local":
                 raise ValueError(f"faults.{i}: {f.kind} damages local files; it needs cluster.storage: local")
+            if f.kind in ROLLOUT_KINDS and not self.cluster.rollout_servers:
+                raise ValueError(f"faults.{i}: {f.kind} needs cluster.rollout_servers >= 1")
+            if f.kind in ("kill_rollout", "freeze_rollout") and f.target != "random":
+                servers = {f"rollout{j}" for j in range(self.cluster.rollout_servers
+                                                        + sum(g.kind == "add_rollout" for g in self.faults))}
+                if f.target not in servers:
+                    raise ValueError(f"faults.{i}.target {f.target!r} is not a rollout server of this cluster "
+                                     f"({', '.join(sorted(servers))})")
             if f.at_step is not None and f.at_step >= self.steps:
                 raise ValueError(f"faults.{i}.at_step {f.at_step} is not before the last step ({self.steps - 1})")
+        if self.cluster.rollout_servers and "rollout.mode" in self.job.grpo:
+            raise ValueError("job.grpo.rollout.mode is set by cluster.rollout_servers (fleet when > 0); leave it out")
         if self.cluster.netns and (self.cluster.etcd_security != "none" or self.cluster.agent_tls):
             raise ValueError("cluster.etcd_security and cluster.agent_tls need loopback nodes: the run's "
                              "certificates name loopback addresses only, so they cannot go with cluster.netns")
@@ -163,6 +177,8 @@ class Scenario(_Strict):
                     raise ValueError("storm.kinds: partition_node needs cluster.netns: true")
                 if kind.startswith("storage_") and self.cluster.storage != "s3":
                     raise ValueError(f"storm.kinds: {kind} needs cluster.storage: s3")
+                if kind in ROLLOUT_KINDS and not self.cluster.rollout_servers:
+                    raise ValueError(f"storm.kinds: {kind} needs cluster.rollout_servers >= 1")
             if self.storm.duration_s <= self.storm.start_s:
                 raise ValueError(f"storm.duration_s {self.storm.duration_s} must exceed storm.start_s {self.storm.start_s}")
         return self
@@ -189,7 +205,7 @@ def storm_faults(storm: Storm, seed: int) -> list[Fault]:
         if t > storm.duration_s:
             return out
         kind = rng.choice(storm.kinds)
-        down = storm.down_s if kind in DURATION_KINDS or kind == "kill_node" else None
+        down = storm.down_s if kind in DURATION_KINDS or kind in ("kill_node", "kill_rollout") else None
         out.append(Fault(kind=kind, at_s=round(t, 2), duration_s=down))
 
 

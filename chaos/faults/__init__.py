@@ -39,6 +39,7 @@ class Context:
         return int(node_id.removeprefix("node"))
 
     agent_tls: Any = None  # ftrt.agents.tls.AgentTls when agents speak mutual TLS
+    rollouts: Any = None  # ftrt.chaos.faults.rollout.RolloutServers when the job has a rollout fleet
 
     def status_access(self) -> dict:
         """Keyword arguments that give a status query this cluster's etcd and agent credentials."""
@@ -66,7 +67,7 @@ class Injected:
 
 
 def _injectors() -> dict[str, Callable[[Context, Any], Injected]]:
-    from ftrt.chaos.faults import etcd, files, membership, network, process, storage
+    from ftrt.chaos.faults import etcd, files, membership, network, process, rollout, storage
 
     return {
         "kill_worker": process.kill_worker, "kill_node": process.kill_node,
@@ -75,6 +76,8 @@ def _injectors() -> dict[str, Callable[[Context, Any], Injected]]:
         "corrupt_checkpoint": files.corrupt, "truncate_checkpoint": files.truncate,
         "add_node": membership.add_node, "partition_node": network.partition_node,
         "storage_outage": storage.outage, "storage_slow": storage.slow,
+        "kill_rollout": rollout.kill_rollout, "freeze_rollout": rollout.freeze_rollout,
+        "add_rollout": rollout.add_rollout,
     }
 
 

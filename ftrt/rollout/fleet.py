@@ -36,7 +36,8 @@ from ftrt.agents.auth import job_token
 from ftrt.errors import FtrtError, StoreError
 from ftrt.jobkeys import JobKeys
 from ftrt.rollout.ledger import GroupKey, Ledger, ServerView, route
-from ftrt.rollout.server import MAX_MESSAGE, ServerRecord
+from ftrt.rollout.records import ServerRecord
+from ftrt.rollout.server import MAX_MESSAGE
 from ftrt.rollout.spec import PolicySpec
 from ftrt.rollout.weights import Outgoing, chunks
 from ftrt.store.access import EtcdAccess

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 import grpc.aio
@@ -31,6 +29,7 @@ from ftrt.agents.session import Session
 from ftrt.errors import ConfigError, StoreError
 from ftrt.jobkeys import JobKeys, check_id
 from ftrt.rollout.engine import BuiltinEngine
+from ftrt.rollout.records import ServerRecord
 from ftrt.rollout.spec import PolicySpec, decode_spec
 from ftrt.rollout.weights import Assembler, PushRefused
 from ftrt.store import access as etcd_access
@@ -41,36 +40,6 @@ from ftrt.v1 import rollout_pb2, rollout_pb2_grpc
 log = logging.getLogger("ftrt.rollout")
 
 MAX_MESSAGE = 8 << 20
-
-
-@dataclass(frozen=True)
-class ServerRecord:
-    """A server's registration in etcd (JSON; the one owner of its fields)."""
-
-    server_id: str
-    addr: str
-    engine: str
-    versions: dict[int, str]
-    """The weight versions held, with their digests."""
-    pid: int
-
-    def encode(self) -> bytes:
-        data = {**self.__dict__, "versions": {str(v): d for v, d in self.versions.items()}}
-        return json.dumps(data, sort_keys=True).encode()
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "ServerRecord":
-        """A record from etcd, checked field by field; ValueError if it is not one."""
-        data = json.loads(raw)
-        if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-        rec = cls(server_id=check_id("rollout server id", data.get("server_id")), addr=str(data["addr"]),
-                  engine=str(data["engine"]),
-                  versions={int(v): str(d) for v, d in dict(data["versions"]).items()}, pid=int(data["pid"]))
-        host, _, port = rec.addr.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"address {rec.addr!r} is not HOST:PORT")
-        return rec
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):

@@ -8,6 +8,8 @@ was never restarted.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -119,7 +121,7 @@ def test_pushes_need_the_token_and_a_bad_push_changes_nothing(tmp_path, etcd_end
 
         from ftrt.agents.auth import job_token
         from ftrt.jobkeys import JobKeys
-        from ftrt.rollout.server import ServerRecord
+        from ftrt.rollout.records import ServerRecord
         from ftrt.store.etcd import EtcdStore
 
         async def look():
@@ -145,6 +147,9 @@ def test_pushes_need_the_token_and_a_bad_push_changes_nothing(tmp_path, etcd_end
             after = stub.Info(rollout_pb2.InfoRequest())
         holder.update(before=before, after=after, no_token=no_token.value.code(), forged=forged.value,
                       wrong_token=wrong_token.value.code())
+        status = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "status", "--etcd", etcd_endpoint,
+                                 "--job-id", job_id], capture_output=True, text=True, timeout=60)
+        holder["status"] = status.stdout
 
     rows, servers = _fleet_run(tmp_path, etcd_endpoint, job_id, "run", during=faults)
     assert holder["no_token"] == grpc.StatusCode.UNAUTHENTICATED
@@ -152,6 +157,9 @@ def test_pushes_need_the_token_and_a_bad_push_changes_nothing(tmp_path, etcd_end
     assert holder["forged"].code() == grpc.StatusCode.INVALID_ARGUMENT, holder["forged"].details()
     assert 999 not in holder["after"].held and holder["after"].held  # still serving real versions
     assert [r["step"] for r in rows] == list(range(STEPS))
+    assert "rollout servers:" in holder["status"], holder["status"]
+    for s in servers:  # `ftrt status` lists each server with the weight versions it holds
+        assert f"{s.server_id}" in holder["status"] and "weight versions" in holder["status"]
 
 
 # -- off-policy steps (K = 1) under ftrt launch: 2 ranks, the samples ahead in every checkpoint ---------

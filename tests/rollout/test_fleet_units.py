@@ -8,7 +8,7 @@ import torch
 from ftrt.errors import ConfigError
 from ftrt.grpo.config import load_config
 from ftrt.rollout.ledger import GroupKey, Ledger, ServerView, route
-from ftrt.rollout.server import ServerRecord
+from ftrt.rollout.records import ServerRecord
 from ftrt.rollout.spec import PolicySpec, decode_spec
 from ftrt.rollout.weights import Assembler, Outgoing, PushRefused, chunks, expected_of
 from ftrt.v1 import rollout_pb2
