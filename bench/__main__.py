@@ -15,7 +15,7 @@ import time
 NAMES = {
     "rdzv_scale": "bench.rdzv_scale", "overhead": "bench.overhead", "goodput": "bench.goodput",
     "recovery": "bench.recovery", "ckpt_stall": "bench.ckpt_stall", "restore": "bench.restore",
-    "rollout": "bench.rollout",
+    "rollout": "bench.rollout", "rollout_fleet": "bench.rollout_fleet",
 }
 QUICK: dict[str, list[str]] = {
     "rdzv_scale": ["--sizes", "16,64,256", "--torchrun-sizes", "16,64", "--c10d", "best", "--cap", "30"],
@@ -25,6 +25,7 @@ QUICK: dict[str, list[str]] = {
     "ckpt_stall": ["--gib", "0.25", "--steps", "45"],
     "restore": ["--gib", "0.25"],
     "rollout": ["--repeats", "5"],
+    "rollout_fleet": ["--pushes", "3", "--steps", "25", "--storm-steps", "80"],
 }
 """Each benchmark's settings in ``all``."""
 

@@ -1,5 +1,9 @@
 """``ftrt demo``: GRPO on three local nodes that loses one, keeps training, and takes it back.
 
+``ftrt demo --fleet`` runs the same job with its rollouts served by a fleet of two rollout servers
+(``ftrt rollout serve``; docs/rollout.md): one server is killed and another added midway, and the
+summary shows that no trainer process restarted.
+
 It starts an embedded etcd and three agents (``ftrt launch``, one per simulated node, one worker
 each) training the built-in GRPO (``-m ftrt.grpo``) with a checkpoint in memory every step and
 on disk every few, SIGKILLs one node (agent and worker) partway, shows the survivors restoring
@@ -135,12 +139,103 @@ def run_demo(out: Path, *, nodes: int = 3, steps: int = 150, kill_at: int | None
     return summary
 
 
+def run_fleet_demo(out: Path, *, nodes: int = 3, steps: int = 150, timeout: float = 300.0) -> dict:
+    """The demo's job with its rollouts from 2 rollout servers: one killed, one added (summary also in
+    ``out/summary.json``)."""
+    from ftrt.chaos.faults.rollout import RolloutServers
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", "summary.json", "timeline.png"):
+        (out / stale).unlink(missing_ok=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    started = time.time()
+    etcd = EtcdServer(name="ftrt-demo", unsafe_no_fsync=True, log_path=str(out / "etcd.log")).start()
+    fleet = RolloutServers(out, "demo", etcd.endpoint, "demo", "127.0.0.1", 2.0, [])
+    _say(f"embedded etcd on {etcd.endpoint}; starting 2 rollout servers and {nodes} agents (nodes), one GRPO "
+         "worker each, sampling through the fleet")
+    for i in range(2):
+        fleet.start(f"rollout{i}")
+    launch = [
+        "--etcd", etcd.endpoint, "--job-id", "demo", "--nnodes", f"{nodes}", "--lease-ttl", "2",
+        "--first-round-wait", "10", "-m", "ftrt.grpo", f"steps={steps}", "prompts_per_step=30",
+        f"metrics_path={metrics}", "checkpoint.url=null", "rollout.mode=fleet", "progress=none",
+    ]
+    agents = {f"node{i}": LocalNode(out, f"node{i}", launch).start() for i in range(nodes)}
+    events: list[tuple[float, str]] = []
+    try:
+        left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
+        wait_until(lambda: len(_lines(metrics)) >= 1, left(), "the first GRPO step")
+        _say(f"training GRPO at world size {nodes}; every step's prompt groups go to the rollout servers")
+        wait_until(lambda: any(x["step"] >= steps // 4 for x in _lines(metrics)), left(), f"step {steps // 4}")
+        fleet.procs["rollout0"].kill()
+        events.append((time.time(), "rollout0 killed"))
+        _say(f"SIGKILLed rollout server rollout0 after step {_lines(metrics)[-1]['step']}: its prompt groups go "
+             "to rollout1")
+        wait_until(lambda: any(x["step"] >= steps // 2 for x in _lines(metrics)), left(), f"step {steps // 2}")
+        fleet.start("rollout2")
+        events.append((time.time(), "rollout2 added"))
+        _say("started rollout server rollout2: it gets the current weights, then prompt groups")
+        codes = {nid: a.wait(max(1.0, deadline - time.monotonic())) for nid, a in agents.items()}
+    finally:
+        for a in agents.values():
+            a.cleanup()
+        fleet.stop_all()
+        etcd.stop()
+    lines = _lines(metrics)
+    ledger = [i for x in lines for i in x["prompt_ids"]]
+    last10 = [x["reward_mean"] for x in lines[-10:]]
+    summary = {
+        "fleet": True, "trainer_restarts": lines[-1]["resumes"] if lines else None,
+        "world_sizes": sorted({x["world_size"] for x in lines}),
+        "redispatched": sum(x.get("redispatched", 0) for x in lines),
+        "servers_over_time": [x.get("rollout_servers") for x in lines[:: max(1, len(lines) // 12)]],
+        "final_step": max((x["step"] for x in lines), default=-1),
+        "steps_missing": sorted(set(range(steps)) - {x["step"] for x in lines}),
+        "prompts_repeated": len(ledger) - len(set(ledger)),
+        "first_reward": round(sum(x["reward_mean"] for x in lines[:10]) / len(lines[:10]), 4) if lines else None,
+        "final_reward": round(sum(last10) / len(last10), 4) if last10 else None,
+        "median_push_s": sorted(x.get("push_s", 0.0) for x in lines)[len(lines) // 2] if lines else None,
+        "exit_codes": codes, "wall_s": round(time.time() - started, 1), "out": str(out),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if lines:
+        from ftrt.plots import timeline_png
+
+        timeline_png(out / "timeline.png", lines, events,
+                     title=f"ftrt demo --fleet: GRPO on {nodes} nodes, rollouts from a fleet (one server killed, one added)")
+    return summary
+
+
+def _fleet_summary(s: dict, steps: int) -> int:
+    ok = (s["trainer_restarts"] == 0 and not s["steps_missing"] and not s["prompts_repeated"]
+          and all(c == 0 for c in s["exit_codes"].values()))
+    print()
+    print("ftrt demo --fleet summary")
+    print(f"  trainer untouched            : {'yes' if s['trainer_restarts'] == 0 else 'NO'} "
+          f"({s['trainer_restarts']} restarts; world size {', '.join(map(str, s['world_sizes']))} throughout)")
+    print(f"  rollout servers over time    : {' -> '.join(map(str, s['servers_over_time']))} "
+          f"(one killed, one added); {s['redispatched']} prompt groups sent again")
+    print(f"  steps trained                : {s['final_step'] + 1} of {steps}, {len(s['steps_missing'])} missing, "
+          f"{s['prompts_repeated']} prompts trained twice")
+    print(f"  mean reward                  : {s['first_reward']} (first 10 steps) -> {s['final_reward']} (last 10)")
+    print(f"  wall time                    : {s['wall_s']} s; metrics, summary.json, timeline.png in {s['out']}/")
+    return 0 if ok else 1
+
+
 def demo_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="ftrt demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="ftrt-demo", help="output directory (default ./ftrt-demo)")
     p.add_argument("--steps", type=int, default=150, help="GRPO steps (default 150)")
     p.add_argument("--no-rejoin", dest="rejoin", action="store_false", help="do not restart the lost node")
+    p.add_argument("--fleet", action="store_true", help="rollouts from 2 rollout servers instead: one is killed "
+                   "and another added midway, and no trainer process restarts")
     args = p.parse_args(argv)
+    if args.fleet:
+        try:
+            return _fleet_summary(run_fleet_demo(Path(args.out), steps=args.steps), args.steps)
+        except AssertionError as exc:
+            raise FtrtError(f"The demo did not complete: {exc}. Logs are in {args.out}/.") from None
     try:
         s = run_demo(Path(args.out), steps=args.steps, rejoin=args.rejoin)
     except AssertionError as exc:  # a wait ran out: say what did not happen, no traceback

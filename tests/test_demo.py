@@ -32,3 +32,21 @@ def test_demo_loses_a_node_recovers_and_loses_no_prompt(tmp_path):
     assert [x["step"] for x in lines] == list(range(150))
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ftrt demo summary" in res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(330)
+def test_fleet_demo_loses_a_rollout_server_and_the_trainer_never_restarts(tmp_path):
+    out = tmp_path / "demo"
+    res = subprocess.run(
+        [sys.executable, "-m", "ftrt.cli.main", "demo", "--fleet", "--out", str(out), "--steps", "60"],
+        capture_output=True, text=True, timeout=320,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trainer_restarts"] == 0 and summary["world_sizes"] == [3]
+    assert summary["steps_missing"] == [] and summary["final_step"] == 59 and summary["prompts_repeated"] == 0
+    assert set(summary["exit_codes"].values()) == {0}
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(x["weight_version"] == x["step"] for x in lines)
+    assert "ftrt demo --fleet summary" in res.stdout and "trainer untouched            : yes" in res.stdout

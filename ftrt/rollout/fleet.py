@@ -376,9 +376,11 @@ class Fleet:
                             0, s.usable) for s in self.servers.values()]
         inflight = self.ledger.inflight()
         views = [ServerView(v.server_id, v.versions, inflight.get(v.server_id, 0), v.usable) for v in views]
-        for key, sid in route(self.ledger.waiting(), views, self.per_server):
+        waiting = self.ledger.waiting()
+        versions = dict(waiting)
+        for key, sid in route(waiting, views, self.per_server):
             s = self.servers[sid]
-            version = next(v for k, v in self.ledger.waiting() if k == key)
+            version = versions[key]
             # the ledger's deadline is a backstop a little after the call's own
             self.ledger.sent(key, sid, now + self.request_timeout + 0.5)
             task = asyncio.get_running_loop().create_task(self._call(s, key, version))
