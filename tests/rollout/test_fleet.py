@@ -210,3 +210,52 @@ def test_off_policy_samples_ahead_survive_a_trainer_restart(tmp_path, reference_
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert rows[-1]["resumes"] == 1, rows[-1]
     assert exact(rows) == exact(reference_k1)
+
+
+def test_a_server_that_loses_its_lease_fences_and_registers_again(tmp_path, etcd_endpoint, job_id):
+    import asyncio
+
+    from ftrt.grpo.config import load_config
+    from ftrt.jobkeys import JobKeys
+    from ftrt.rollout.spec import PolicySpec
+    from ftrt.store.etcd import EtcdStore
+    from tests.rollout.fleetkit import wait_until
+
+    keys = JobKeys(job_id)
+
+    async def put_spec():
+        store = EtcdStore(etcd_endpoint)
+        try:
+            await store.put(keys.rollout_spec, PolicySpec.of(load_config(None, CONFIG)).encode())
+        finally:
+            await store.close()
+
+    async def lease_of() -> int:
+        store = EtcdStore(etcd_endpoint)
+        try:
+            kv, _ = await store.get(keys.rollout_server("s0"))
+            return kv.lease if kv else 0
+        finally:
+            await store.close()
+
+    async def revoke(lease: int) -> None:
+        store = EtcdStore(etcd_endpoint)
+        try:
+            await store.revoke_lease(lease)
+        finally:
+            await store.close()
+
+    asyncio.run(put_spec())
+    server = Server(tmp_path, etcd_endpoint, job_id, "s0", "--lease-ttl", "2")
+    try:
+        wait_registered([server])
+        first = asyncio.run(lease_of())
+        assert first
+        asyncio.run(revoke(first))  # as if etcd had expired it
+        wait_until(lambda: "fenced, serving nothing" in server.log(), 30, "the server to fence itself")
+        wait_until(lambda: server.log().count("registered as") >= 2, 30, "it to register again")
+        second = asyncio.run(lease_of())
+        assert second and second != first
+    finally:
+        server.stop()
+    assert server.proc.returncode is not None
