@@ -36,6 +36,15 @@ class Sampled:
     """Metrics-line fields (fleet: weight_version, rollout_servers, redispatched, push_s, rollout_s)."""
 
 
+def output_size(model: torch.nn.Module, fallback: int) -> int:
+    """How many token ids the policy can sample (its output layer's width; a Hugging Face model's
+    may exceed its tokenizer's vocabulary)."""
+    lm = getattr(model, "lm", None)
+    size = getattr(getattr(lm, "config", None), "vocab_size", None) if lm is not None else None
+    head = getattr(model, "head", None)
+    return int(size or (head.out_features if head is not None else fallback))
+
+
 class LocalSampling:
     """Each rank samples its own prompts with the current weights."""
 
@@ -90,7 +99,7 @@ class FleetSampling:
                     "and rollout.job_id.")
         try:
             self.fleet = Fleet(endpoints=endpoints, access=from_env(), job_id=job, spec=PolicySpec.of(self.cfg),
-                               vocab_size=len(self.vocab), max_new=self.max_new,
+                               vocab_size=output_size(self.model, len(self.vocab)), max_new=self.max_new,
                                request_timeout=ro.request_timeout, wait_timeout=ro.wait_timeout,
                                push_timeout=ro.push_timeout)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others hang

@@ -42,6 +42,7 @@ class BuiltinEngine:
     """The GRPO policy of ``spec`` behind a version switch."""
 
     name = "builtin"
+    max_versions = MAX_HELD
 
     def __init__(self, spec: PolicySpec) -> None:
         torch.set_num_threads(spec.threads)
@@ -86,6 +87,12 @@ class BuiltinEngine:
                 del held[min(held)]
             self._held = held  # one assignment: readers see the old dict or the new one
         return time.perf_counter() - t0
+
+    def alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
 
     def generate(self, held: Held, step: int, prompt_id: int) -> torch.Tensor:
         """Prompt ``prompt_id``'s group at ``step`` with the weights ``held``: (G, max_new) token ids."""

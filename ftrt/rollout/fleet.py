@@ -35,7 +35,7 @@ import torch
 from ftrt.agents.auth import job_token
 from ftrt.errors import FtrtError, StoreError
 from ftrt.jobkeys import JobKeys
-from ftrt.rollout.ledger import GroupKey, Ledger, ServerView, route
+from ftrt.rollout.ledger import GroupKey, Ledger, ServerView, next_push, route
 from ftrt.rollout.records import ServerRecord
 from ftrt.rollout.server import MAX_MESSAGE
 from ftrt.rollout.spec import PolicySpec
@@ -306,9 +306,9 @@ class Fleet:
                 continue
             if s.pushing is not None or now < s.push_at:
                 continue
-            missing = [v for v in needed if s.versions.get(v) != self.versions[v].digest]
-            if missing and (s.usable or s.why == "push failed"):
-                s.pushing = asyncio.get_running_loop().create_task(self._push(s, self.versions[missing[0]]))
+            target = self._next_version(s, needed)
+            if target is not None and (s.usable or s.why == "push failed"):
+                s.pushing = asyncio.get_running_loop().create_task(self._push(s, self.versions[target]))
         waiting = bool(self.ledger.waiting()) or bool(self.ledger.inflight())
         if waiting and not any(s.usable for s in self.servers.values()):
             if self._starved_since is None:
@@ -323,6 +323,10 @@ class Fleet:
                 self._progress.set()
         else:
             self._starved_since = None
+
+    def _next_version(self, s: _Server, needed: list[int]) -> int | None:
+        held = {v for v, d in s.versions.items() if v in self.versions and self.versions[v].digest == d}
+        return next_push(s.record.max_versions, held, needed, self.ledger.needed_versions() & set(self.versions))
 
     async def _probe(self, s: _Server) -> None:
         try:

@@ -136,3 +136,21 @@ def route(waiting: list[tuple[GroupKey, int]], servers: list[ServerView], per_se
         load[sid] += 1
         out.append((key, sid))
     return out
+
+
+def next_push(max_versions: int, held: set[int], kept: list[int], wanted: set[int]) -> int | None:
+    """The version to push a server next, if any. ``held``: the versions it holds (of those the
+    trainer keeps); ``kept``: the versions the trainer keeps, newest first; ``wanted``: those some
+    group waits for or is being sampled with.
+
+    A server that holds several versions gets every kept one, newest first. One that holds a single
+    version (vLLM) keeps it while some group still wants it, then moves to the oldest wanted version
+    (else the newest kept one): so with off-policy steps it finishes the older work before it
+    switches, and never flips back and forth.
+    """
+    if max_versions > 1:
+        return next((v for v in kept if v not in held), None)
+    if held & wanted:
+        return None
+    target = min(wanted) if wanted else (kept[0] if kept else None)
+    return None if target is None or target in held else target

@@ -24,6 +24,8 @@ class ServerRecord:
     versions: dict[int, str]
     """The weight versions held, with their digests."""
     pid: int
+    max_versions: int = 1
+    """How many versions the engine can hold at once (vLLM: 1)."""
 
     def encode(self) -> bytes:
         data = {**self.__dict__, "versions": {str(v): d for v, d in self.versions.items()}}
@@ -37,7 +39,10 @@ class ServerRecord:
             raise ValueError("not a JSON object")
         rec = cls(server_id=check_id("rollout server id", data.get("server_id")), addr=str(data["addr"]),
                   engine=str(data["engine"]),
-                  versions={int(v): str(d) for v, d in dict(data["versions"]).items()}, pid=int(data["pid"]))
+                  versions={int(v): str(d) for v, d in dict(data["versions"]).items()}, pid=int(data["pid"]),
+                  max_versions=int(data.get("max_versions", 1)))
+        if not 1 <= rec.max_versions <= 64:
+            raise ValueError(f"max_versions {rec.max_versions} is not 1-64")
         host, _, port = rec.addr.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"address {rec.addr!r} is not HOST:PORT")

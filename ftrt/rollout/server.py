@@ -31,6 +31,7 @@ from ftrt.jobkeys import JobKeys, check_id
 from ftrt.rollout.engine import BuiltinEngine
 from ftrt.rollout.records import ServerRecord
 from ftrt.rollout.spec import PolicySpec, decode_spec
+from ftrt.rollout.errors import EngineFailed, StaleVersion
 from ftrt.rollout.weights import Assembler, PushRefused
 from ftrt.store import access as etcd_access
 from ftrt.store.api import Store
@@ -78,8 +79,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if request.step < 0 or request.prompt_id < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "step and prompt_id must be >= 0.")
         t0 = time.perf_counter()
-        out = await asyncio.get_running_loop().run_in_executor(
-            self._pool, self.engine.generate, held, request.step, request.prompt_id)
+        try:
+            out = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self.engine.generate, held, request.step, request.prompt_id)
+        except StaleVersion as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"Rollout server {self.server_id}: {exc}.")
+        except EngineFailed as exc:
+            log.error("the engine failed a group: %s", exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"Rollout server {self.server_id}'s engine failed: {exc}")
         self.served += 1
         import torch
 
@@ -100,8 +107,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             except PushRefused as exc:
                 log.warning("weight push refused (versions held still %s): %s", sorted(self.engine.versions), exc)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            apply_s = await asyncio.get_running_loop().run_in_executor(
-                None, self.engine.apply, asm.version, asm.digest, tensors, asm.keep_from)
+            try:
+                apply_s = await asyncio.get_running_loop().run_in_executor(
+                    None, self.engine.apply, asm.version, asm.digest, tensors, asm.keep_from)
+            except (PushRefused, EngineFailed) as exc:
+                log.warning("weight push not applied (versions held still %s): %s", sorted(self.engine.versions), exc)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             log.info("now serving weight version %d (%s; %.1f MB in %.3f s, applied in %.3f s)", asm.version,
                      asm.digest[:12], asm.received / 1e6, time.perf_counter() - t0, apply_s)
             await self.on_version()
@@ -144,8 +155,9 @@ class Registration:
         self.session: Session | None = None
 
     def record(self) -> ServerRecord:
-        return ServerRecord(server_id=self.servicer.server_id, addr=self.addr, engine=self.servicer.engine.name,
-                            versions=self.servicer.engine.versions, pid=os.getpid())
+        engine = self.servicer.engine
+        return ServerRecord(server_id=self.servicer.server_id, addr=self.addr, engine=engine.name,
+                            versions=engine.versions, pid=os.getpid(), max_versions=engine.max_versions)
 
     async def publish(self) -> None:
         """Write the record (its version changed); a lost lease is the keep-alive's to handle."""
@@ -175,19 +187,40 @@ class Registration:
             fence = asyncio.create_task(self._fence_on_expiry(self.session))
             await self.session.lost.wait()
             fence.cancel()
+            if not self.servicer.engine.alive():
+                raise EngineFailed("the engine's process exited; this rollout server stops (see its log).")
             self.servicer.fenced = True
             log.warning("lease lost (%s): fenced, serving nothing until registered again", self.session.lost_reason)
 
     async def _fence_on_expiry(self, session: Session) -> None:
-        """Fence at the local lease deadline even if the keep-alive has not noticed yet."""
+        """Fence at the local lease deadline even if the keep-alive has not noticed yet; leave
+        (revoke the lease) when the engine's process died."""
         while not session.lost.is_set():
             if session.expired():
                 self.servicer.fenced = True
+            if not self.servicer.engine.alive():
+                self.servicer.fenced = True
+                await session.close()
+                return
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+
+def build_engine(ns: argparse.Namespace, spec: PolicySpec):
+    """The engine ``--engine`` names, for ``spec``."""
+    if ns.engine == "builtin":
+        return BuiltinEngine(spec)
+    import tempfile
+    from pathlib import Path
+
+    from ftrt.rollout.vllm_engine import VllmEngine
+
+    workdir = Path(ns.vllm_dir) if ns.vllm_dir else Path(tempfile.mkdtemp(prefix="ftrt-vllm-"))
+    return VllmEngine(spec, url=ns.vllm_url, python=ns.vllm_python, workdir=workdir, timeout=ns.vllm_timeout,
+                      ready_timeout=ns.vllm_ready_timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,8 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd", required=True, metavar="HOST:PORT[,...]", help="the job's etcd endpoints")
     p.add_argument("--job-id", required=True, help="the job to serve")
     p.add_argument("--server-id", default=None, help="this server's name in the job (default: HOST-PID)")
-    p.add_argument("--engine", choices=["builtin"], default="builtin",
-                   help="builtin: the GRPO policy with counter-seeded sampling (bit-exact)")
+    p.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                   help="builtin: the GRPO policy with counter-seeded sampling (bit-exact); vllm: the job's "
+                   "Hugging Face policy (model.hf_path) in a vLLM server (exactly once, not bitwise)")
+    p.add_argument("--vllm-python", default=None, metavar="PYTHON", help="vllm: start vLLM's OpenAI server "
+                   "with this interpreter (it may live in another virtual environment)")
+    p.add_argument("--vllm-url", default=None, metavar="URL", help="vllm: a running vLLM OpenAI server started "
+                   "with VLLM_SERVER_DEV_MODE=1 (for reload_weights), instead of --vllm-python")
+    p.add_argument("--vllm-dir", default=None, metavar="DIR", help="vllm: where pushed weights are written "
+                   "(default: a temporary folder)")
+    p.add_argument("--vllm-timeout", type=float, default=60.0, help="vllm: seconds for each HTTP call (default 60)")
+    p.add_argument("--vllm-ready-timeout", type=float, default=600.0,
+                   help="vllm: seconds vLLM may take to start (default 600)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on and to register (default loopback)")
     p.add_argument("--port", type=int, default=0, help="port to serve on (default: a free one)")
     p.add_argument("--lease-ttl", type=float, default=5.0, help="seconds of etcd lease; the server fences "
@@ -219,7 +262,7 @@ async def serve(ns: argparse.Namespace) -> None:
     try:
         token = await job_token(store, keys)
         spec = await wait_for_spec(store, keys)
-        engine = BuiltinEngine(spec)
+        engine = build_engine(ns, spec)
         log.info("policy of job %s built (%s engine, spec %s)", ns.job_id, engine.name, spec.digest)
         registration: Registration
         servicer = RolloutServicer(server_id, ns.job_id, engine, token, on_version=lambda: registration.publish())
@@ -239,6 +282,7 @@ async def serve(ns: argparse.Namespace) -> None:
             await registration.close()
             await server.stop(0.5)
             servicer.close()
+            engine.close()
     finally:
         await store.close()
 

@@ -7,7 +7,7 @@ import torch
 
 from ftrt.errors import ConfigError
 from ftrt.grpo.config import load_config
-from ftrt.rollout.ledger import GroupKey, Ledger, ServerView, route
+from ftrt.rollout.ledger import GroupKey, Ledger, ServerView, next_push, route
 from ftrt.rollout.records import ServerRecord
 from ftrt.rollout.spec import PolicySpec, decode_spec
 from ftrt.rollout.weights import Assembler, Outgoing, PushRefused, chunks, expected_of
@@ -143,3 +143,16 @@ def test_a_push_is_a_snapshot_the_trainer_may_change_its_weights_meanwhile():
         v.zero_() if v.dtype != torch.bool else None
     got = _feed_all(Assembler(expected_of(state)), list(chunks(out, keep_from=0)))
     assert not torch.equal(got["a.weight"], state["a.weight"])  # the bytes of version 1, not today's
+
+
+def test_what_a_server_is_pushed_next_depends_on_how_many_versions_it_holds():
+    # several: every kept version, newest first
+    assert next_push(10, set(), [5, 4], {4, 5}) == 5
+    assert next_push(10, {5}, [5, 4], {4, 5}) == 4
+    assert next_push(10, {4, 5}, [5, 4], {4}) is None
+    # one (vLLM): keep the version while a group wants it, then the oldest wanted, never back and forth
+    assert next_push(1, {4}, [5, 4], {4, 5}) is None
+    assert next_push(1, set(), [5, 4], {4, 5}) == 4
+    assert next_push(1, {4}, [5, 4], {5}) == 5
+    assert next_push(1, {5}, [5, 4], {5}) is None
+    assert next_push(1, set(), [5], set()) == 5  # nothing waits: the newest, ready for what comes
