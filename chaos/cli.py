@@ -41,6 +41,8 @@ def chaos_main(argv: list[str]) -> int:
                        help="etcd over TLS with client certificates, and with tls+auth also a user and password "
                             "(default none)")
     storm.add_argument("--agent-tls", action="store_true", help="mutual TLS between agents")
+    storm.add_argument("--rollout-servers", type=int, default=0, help="rollout servers: the job samples through "
+                       "a fleet (needed for kill_rollout, freeze_rollout, add_rollout; default 0)")
     storm.add_argument("--max-recovery", type=float, default=30.0, help="seconds each fault may take (default 30)")
     storm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="GRPO config overrides "
                        "(python -m ftrt.grpo --help-config)")
@@ -79,7 +81,8 @@ def storm_scenario(args: argparse.Namespace):
         f"{args.duration:g} s (seed {args.seed})",
         "cluster": {"nodes": args.nodes, "workers_per_node": args.nproc_per_node, "netns": args.netns,
                     "storage": "s3" if args.s3 else "local", "hang_timeout": 5,
-                    "etcd_security": args.etcd_security, "agent_tls": args.agent_tls},
+                    "etcd_security": args.etcd_security, "agent_tls": args.agent_tls,
+                    "rollout_servers": args.rollout_servers},
         "job": {"grpo": job}, "steps": steps,
         "storm": {"mtbf_s": args.mtbf, "duration_s": args.duration, "down_s": args.down,
                   "kinds": [k.strip() for k in args.kinds.split(",") if k.strip()]},

@@ -234,6 +234,8 @@ def validate(data: dict, what: str) -> Scenario:
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 problems.append(f"unknown field {field!r}")
+            elif not err["loc"]:  # a rule across fields: its message names them
+                problems.append(msg)
             else:
                 problems.append(f"field {field!r} = {err.get('input')!r}: {msg}")
         raise ConfigError(f"Invalid {what}: " + "; ".join(problems) + ". See docs/chaos.md.") from None

@@ -136,8 +136,8 @@ class GRPOConfig(_Strict):
     @model_validator(mode="after")
     def _off_policy_needs_fleet(self) -> "GRPOConfig":
         if self.rollout.max_off_policy_steps and self.rollout.mode != "fleet":
-            raise ValueError("rollout.max_off_policy_steps > 0 needs rollout.mode=fleet (local ranks "
-                             "always sample with the current weights)")
+            raise ValueError(f"Config field 'rollout.max_off_policy_steps' = {self.rollout.max_off_policy_steps} "
+                             "needs rollout.mode=fleet (local ranks always sample with the current weights)")
         return self
 
 
@@ -190,6 +190,8 @@ def describe(exc: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             lines.append(f"Unknown config field {field!r}; see python -m ftrt.grpo --help-config.")
+        elif not err["loc"]:  # a rule across fields: its message names them
+            lines.append(f"{msg}.")
         else:
             lines.append(f"Config field {field!r} = {given!r} is invalid: {msg}.")
     return " ".join(lines)
