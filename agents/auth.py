@@ -47,6 +47,14 @@ class JobToken:
         return hmac.compare_digest(shown.encode() if isinstance(shown, str) else bytes(shown), expected.encode())
 
 
+async def require_token(token: JobToken, context, message: str) -> None:
+    """Abort the gRPC call ``context`` with UNAUTHENTICATED and ``message`` unless it shows ``token``."""
+    if not token.allows(context.invocation_metadata()):
+        import grpc
+
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+
 async def job_token(store: Store, keys: JobKeys, *, timeout: float = 5.0) -> JobToken:
     """The job's token: created in etcd if this is the first agent to ask, else the one there."""
     fresh = secrets.token_hex(32).encode()
@@ -60,4 +68,4 @@ async def job_token(store: Store, keys: JobKeys, *, timeout: float = 5.0) -> Job
     return JobToken(found[0].value.decode())
 
 
-__all__ = ["JobToken", "METADATA_KEY", "READS", "WRITES", "job_token"]
+__all__ = ["JobToken", "METADATA_KEY", "READS", "WRITES", "job_token", "require_token"]

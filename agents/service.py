@@ -17,7 +17,7 @@ from typing import Protocol
 import grpc
 import grpc.aio
 
-from ftrt.agents.auth import JobToken
+from ftrt.agents.auth import JobToken, require_token
 from ftrt.agents.tls import PLAINTEXT, AgentTls
 from ftrt.agents.workers import Worker
 from ftrt.roster import LocalRound
@@ -66,10 +66,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
     async def _authorize(self, context) -> None:
         """Abort the call with UNAUTHENTICATED unless it shows the job's token (:mod:`.auth`)."""
-        if not self.token.allows(context.invocation_metadata()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "This call changes the agent's state and needs the job's token, which it did not "
-                                "show; only the job's own agents hold it.")
+        await require_token(self.token, context, "This call changes the agent's state and needs the job's token, "
+                            "which it did not show; only the job's own agents hold it.")
 
     async def Health(self, request, context):
         return self._health(self.source.status())

@@ -90,13 +90,17 @@ class Lab:
 
 
 def freeze_holding(fleet, name: str, metrics: Path, tries: int = 100) -> float:
-    """SIGSTOP ``name`` at a moment it holds prompt groups (the trainer stops advancing); the freeze time."""
+    """SIGSTOP ``name`` at a moment it holds prompt groups: the trainer then makes no progress for
+    four median steps (a freeze that catches it holding none, e.g. mid-push, is undone and tried
+    again); the freeze time."""
     pid = fleet.procs[name].pid
+    rows = _lines(metrics)[3:]
+    quiet = max(0.5, 4 * statistics.median(r["step_s"] for r in rows)) if rows else 1.0
     for _ in range(tries):
         os.kill(pid, signal.SIGSTOP)
         t = time.time()
         before = len(_lines(metrics))
-        time.sleep(0.4)
+        time.sleep(quiet)
         if len(_lines(metrics)) == before:
             return t
         os.kill(pid, signal.SIGCONT)
@@ -217,7 +221,17 @@ def step_times(lab: Lab, steps: int) -> dict:
     return out
 
 
-def kill_mid_step(lab: Lab) -> dict:
+def kill_mid_step(lab: Lab, tries: int = 3) -> dict:
+    """See the module docstring; a try whose stalled step re-sent no group (the freeze did not catch
+    the server holding any after all) does not count, and is made again."""
+    for _ in range(tries):
+        got = _kill_once(lab)
+        if got["lost_groups"]:
+            return got
+    raise RuntimeError(f"no kill caught the server holding groups in {tries} tries")
+
+
+def _kill_once(lab: Lab) -> dict:
     job_id, servers = lab.job(2)
     try:
         proc, metrics = lab.trainer(job_id, ["steps=120", "rollout.mode=fleet"], "kill")

@@ -22,29 +22,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from ftrt.procs import descendants  # noqa: F401 - re-exported for the tests' harness
+
 if TYPE_CHECKING:
     from ftrt.agents.config import LaunchConfig
     from ftrt.v1.agent_pb2 import StatusResponse
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc), children first."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def wait_until(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.05):

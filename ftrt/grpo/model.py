@@ -93,8 +93,9 @@ class HFPolicy(nn.Module):
 
             raise ConfigError("Config field 'model.hf_path' needs transformers: pip install 'ftrt[hf]'.") from None
         try:
-            self.lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            # a local folder (never a download)
+            self.lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as exc:
             from ftrt.errors import ConfigError
 

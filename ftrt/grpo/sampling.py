@@ -132,9 +132,17 @@ class FleetSampling:
         return {"ahead": torch.zeros(self.k, self.per_step, g, n, dtype=torch.long), "ahead_from": -1}
 
     def start(self, step: int, state: dict[str, Any], frontier: int) -> None:
-        """Publish the weights of ``step`` and submit what the first steps need (rank 0)."""
-        if self.fleet is None:
-            return
+        """Publish the weights of ``step`` and submit what the first steps need (rank 0; every rank
+        learns whether that worked)."""
+        error = ""
+        if self.fleet is not None:
+            try:
+                self._start(step, state, frontier)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others hang
+                error = str(exc)
+        self._agree(error)
+
+    def _start(self, step: int, state: dict[str, Any], frontier: int) -> None:
         self._publish(step)
         ahead = state.get("ahead_from", -1)
         for s in range(step, min(step + self.k, self.cfg.steps)):

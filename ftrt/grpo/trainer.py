@@ -173,13 +173,24 @@ class _Step:
 def train(cfg: GRPOConfig) -> dict[str, Any]:
     """Run (or resume) the configured GRPO job; return rank 0's summary (others: a partial one)."""
     run = _setup(cfg)
-    _resume(run)
-    tr = run.trainer
+    t_start = time.perf_counter()
+    rewards: list[float] = []
+    try:
+        _resume(run)
+        ended_for_round = _loop(run, rewards)
+    finally:
+        run.sampling.close()
+    if not ended_for_round:
+        run.rt.done()  # what follows (the summary, destroying the process group) is teardown, not a hang
+    return _finish(run, rewards, time.perf_counter() - t_start, ended_for_round)
+
+
+def _loop(run: _Run, rewards: list[float]) -> bool:
+    """Train from the restored step to the end, or to the end of this round (return True then)."""
+    cfg, tr = run.cfg, run.trainer
     bar = Progress(cfg.progress if run.rank == 0 else "none", cfg.steps)
     saves = Saves(run.ck, run.cadence, run.state)
     step_s = 0.0
-    rewards: list[float] = []
-    t_start = time.perf_counter()
     first_step = tr["step"]
     ended_for_round = False
     if tr["step"] < cfg.steps:
@@ -201,10 +212,7 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
             break
     bar.close()
     saves.close()  # waits for the last save: the final state is committed before we report
-    run.sampling.close()
-    if not ended_for_round:
-        run.rt.done()  # what follows (the summary, destroying the process group) is teardown, not a hang
-    return _finish(run, rewards, time.perf_counter() - t_start, ended_for_round)
+    return ended_for_round
 
 
 def _setup(cfg: GRPOConfig) -> _Run:
@@ -231,8 +239,9 @@ def _setup(cfg: GRPOConfig) -> _Run:
         "model": model, "optim": opt,
         "trainer": {"step": 0, "frontier": 0, "redone": 0, "resumes": 0, "tokens": 0},
     }
-    if sampling.state():  # the fleet's samples ahead (max_off_policy_steps > 0)
-        state["rollout"] = sampling.state()
+    ahead = sampling.state()
+    if ahead:  # the fleet's samples ahead (max_off_policy_steps > 0)
+        state["rollout"] = ahead
     _diag.mark("model")
     ck = rt.checkpointer(cfg.checkpoint.url, keep=cfg.checkpoint.keep,
                          storage_options=cfg.checkpoint.storage_options) if cfg.checkpoint.url else None

@@ -79,6 +79,8 @@ class _PushTally:
 @dataclass
 class _Server:
     record: ServerRecord
+    lease: int
+    """The lease its record is under: a server that registers again comes back under another."""
     channel: grpc.aio.Channel
     stub: rollout_pb2_grpc.RolloutServiceStub
     versions: dict[int, str]
@@ -88,6 +90,8 @@ class _Server:
     push_at: float = 0.0
     pushing: asyncio.Task | None = None
     calls: set = field(default_factory=set)
+    detail: str = ""
+    """The last push failure, for the error that ends a starved run."""
 
 
 class Fleet:
@@ -108,9 +112,13 @@ class Fleet:
         self.versions: dict[int, Outgoing] = {}
         self.servers: dict[str, _Server] = {}
         self._pushes: dict[int, _PushTally] = {}
-        self._dead: dict[str, tuple[str, int]] = {}
-        """Servers dropped as dead, by id, with the (address, pid) of the record they had: that record
-        is ignored until it goes (its lease outlives the process by up to a TTL)."""
+        self._dead: dict[str, int] = {}
+        """Servers dropped as dead, by id, with the lease of the record they had: that record is
+        ignored until it goes (its lease outlives the process by up to a TTL); a server that
+        registers again (a new lease) is welcome."""
+        self._foreign: set[str] = set()
+        """Servers of another policy spec (warned about once)."""
+        self._closing: set[asyncio.Task] = set()
         self.error: Exception | None = None
         self._starved_since: float | None = None
         self._closed = False
@@ -121,7 +129,7 @@ class Fleet:
         try:
             self.token = self._run(job_token(self._store, self.keys))
             self._run(self._store.put(self.keys.rollout_spec, spec.encode(), timeout=5.0))
-        except StoreError:
+        except BaseException:
             self.close()
             raise
         self._wake = self._run(self._make_event())
@@ -166,7 +174,11 @@ class Fleet:
 
     @property
     def live(self) -> int:
-        return sum(1 for s in list(self.servers.values()) if s.usable)
+        """Usable servers now (read on the fleet's loop)."""
+        return self._run(self._live())
+
+    async def _live(self) -> int:
+        return sum(1 for s in self.servers.values() if s.usable)
 
     def close(self) -> None:
         """Stop the pump and close every connection. Idempotent."""
@@ -188,6 +200,7 @@ class Fleet:
             await asyncio.gather(pump, return_exceptions=True)
         for s in list(self.servers.values()):
             self._drop(s, "fleet closed")
+        await asyncio.gather(*self._closing, return_exceptions=True)
         await self._store.close()
 
     def _submit(self, step: int, prompt_ids: list[int], version: int) -> None:
@@ -257,18 +270,25 @@ class Fleet:
                 log.warning("ignoring the record at %s: it names server %s", kv.key, rec.server_id)
                 continue
             seen.add(rec.server_id)
-            if self._dead.get(rec.server_id) == (rec.addr, rec.pid):
+            if self._dead.get(rec.server_id) == kv.lease:
                 continue
             self._dead.pop(rec.server_id, None)
+            if rec.spec_digest != self.spec.digest:
+                if rec.server_id not in self._foreign:
+                    self._foreign.add(rec.server_id)
+                    log.warning("ignoring rollout server %s: it serves policy spec %s, not this trainer's %s "
+                                "(restart it to serve this run)", rec.server_id, rec.spec_digest, self.spec.digest)
+                continue
+            self._foreign.discard(rec.server_id)
             old = self.servers.get(rec.server_id)
-            if old is not None and (old.record.addr != rec.addr or old.record.pid != rec.pid):
-                self._drop(old, "re-registered at another address or pid")
+            if old is not None and (old.record.addr != rec.addr or old.record.pid != rec.pid or old.lease != kv.lease):
+                self._drop(old, "registered again")
                 old = None
             if old is None:
                 channel = grpc.aio.insecure_channel(rec.addr, options=[
                     ("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)])
-                self.servers[rec.server_id] = _Server(rec, channel, rollout_pb2_grpc.RolloutServiceStub(channel),
-                                                      dict(rec.versions))
+                self.servers[rec.server_id] = _Server(rec, kv.lease, channel,
+                                                      rollout_pb2_grpc.RolloutServiceStub(channel), dict(rec.versions))
                 log.info("rollout server %s at %s joined (holds versions %s)", rec.server_id, rec.addr,
                          sorted(rec.versions))
                 self._wake.set()
@@ -276,19 +296,24 @@ class Fleet:
             self._drop(self.servers[sid], "its lease is gone")
         for sid in [sid for sid in self._dead if sid not in seen]:
             del self._dead[sid]
+        self._foreign &= seen
 
     def _drop(self, s: _Server, why: str, *, dead: bool = False) -> None:
         if self.servers.get(s.record.server_id) is s:
             del self.servers[s.record.server_id]
         if dead:
-            self._dead[s.record.server_id] = (s.record.addr, s.record.pid)
+            self._dead[s.record.server_id] = s.lease
+        for key in self.ledger.release(s.record.server_id):  # its groups wait again, whatever its tasks do
+            log.info("group %s of %s goes to another server", key, s.record.server_id)
         if not self._closed:
             log.warning("rollout server %s left the fleet: %s", s.record.server_id, why)
         for task in list(s.calls):
             task.cancel()
         if s.pushing is not None:
             s.pushing.cancel()
-        asyncio.get_running_loop().create_task(s.channel.close())
+        closing = asyncio.get_running_loop().create_task(s.channel.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
 
     def _bench(self, s: _Server, why: str) -> None:
         if s.usable:
@@ -316,10 +341,12 @@ class Fleet:
                 log.warning("no usable rollout server; groups wait (up to rollout.wait_timeout = %g s)",
                             self.wait_timeout)
             elif now - self._starved_since > self.wait_timeout and self.error is None:
+                why = "; ".join(f"{s.record.server_id}: {s.detail or s.why}" for s in self.servers.values())
+                foreign = f"; ignored (another policy spec): {', '.join(sorted(self._foreign))}" if self._foreign else ""
                 self.error = RolloutUnavailable(
                     f"No rollout server of job {self.keys.job_id} could serve for {self.wait_timeout:g} s "
-                    f"(rollout.wait_timeout); start some with: ftrt rollout serve --etcd ... --job-id "
-                    f"{self.keys.job_id}.")
+                    f"(rollout.wait_timeout) ({why or 'none registered'}{foreign}); start some with: ftrt rollout "
+                    f"serve --etcd ... --job-id {self.keys.job_id}.")
                 self._progress.set()
         else:
             self._starved_since = None
@@ -331,7 +358,8 @@ class Fleet:
     async def _probe(self, s: _Server) -> None:
         try:
             info = await s.stub.Info(rollout_pb2.InfoRequest(), timeout=PROBE_S)
-            if not info.fenced and s.why != "push failed":
+            stuck = info.generating_s > self.request_timeout  # its engine still sits on an old group
+            if not info.fenced and not stuck and s.why != "push failed":
                 s.versions = {v: d for v, d in s.versions.items() if v in set(info.held)}
                 s.usable, s.why = True, ""
                 log.info("rollout server %s answers again; back in routing", s.record.server_id)
@@ -361,6 +389,7 @@ class Fleet:
                 self._drop(s, f"unreachable during a push ({exc.details()})", dead=True)
             else:
                 self._bench(s, "push failed")
+                s.detail = f"push of version {out.version} refused: {exc.details()}"
                 log.warning("push of version %d to %s failed: %s %s", out.version, s.record.server_id,
                             exc.code().name, exc.details())
             s.push_at = time.monotonic() + 1.0

@@ -10,7 +10,7 @@ twice; a group whose server failed or missed its deadline waits again, so nothin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -97,6 +97,13 @@ class Ledger:
             return
         e.server, e.deadline = "", 0.0
         self.redispatched[key.step] = self.redispatched.get(key.step, 0) + 1
+
+    def release(self, server: str) -> list[GroupKey]:
+        """Every group in flight on ``server`` waits again (the server is gone); return them."""
+        keys = [k for k, e in self._groups.items() if e.result is None and e.server == server]
+        for k in keys:
+            self.failed(k, server)
+        return keys
 
     def overdue(self, now: float) -> list[tuple[GroupKey, str]]:
         return [(k, e.server) for k, e in self._groups.items()

@@ -26,6 +26,9 @@ class ServerRecord:
     pid: int
     max_versions: int = 1
     """How many versions the engine can hold at once (vLLM: 1)."""
+    spec_digest: str = ""
+    """The policy spec it serves (:attr:`ftrt.rollout.spec.PolicySpec.digest`): a trainer uses only
+    servers of its own spec."""
 
     def encode(self) -> bytes:
         data = {**self.__dict__, "versions": {str(v): d for v, d in self.versions.items()}}
@@ -40,7 +43,7 @@ class ServerRecord:
         rec = cls(server_id=check_id("rollout server id", data.get("server_id")), addr=str(data["addr"]),
                   engine=str(data["engine"]),
                   versions={int(v): str(d) for v, d in dict(data["versions"]).items()}, pid=int(data["pid"]),
-                  max_versions=int(data.get("max_versions", 1)))
+                  max_versions=int(data.get("max_versions", 1)), spec_digest=str(data.get("spec_digest", "")))
         if not 1 <= rec.max_versions <= 64:
             raise ValueError(f"max_versions {rec.max_versions} is not 1-64")
         host, _, port = rec.addr.rpartition(":")

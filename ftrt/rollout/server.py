@@ -7,8 +7,10 @@ need the job's token. When the lease is lost (etcd unreachable, the process froz
 the server **fences** itself: it answers no Generate until it has registered again under a fresh
 lease, so a trainer that gave up on it never gets a late answer from it for new work.
 
-A server holds one weight version at a time and samples only with it: a request for another
-version is refused (FAILED_PRECONDITION) and the trainer routes it elsewhere.
+A server samples only with weight versions it holds (the built-in engine up to 10, vLLM one): a
+request for another is refused (FAILED_PRECONDITION) and the trainer routes it elsewhere. A server
+serves the policy spec it started with; when the trainer publishes another (a new run under the
+same job id), it exits and says so: restart it for the new run.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import grpc.aio
 
-from ftrt.agents.auth import JobToken, job_token
+from ftrt.agents.auth import JobToken, job_token, require_token
 from ftrt.agents.session import Session
 from ftrt.errors import ConfigError, StoreError
 from ftrt.jobkeys import JobKeys, check_id
@@ -41,6 +44,8 @@ from ftrt.v1 import rollout_pb2, rollout_pb2_grpc
 log = logging.getLogger("ftrt.rollout")
 
 MAX_MESSAGE = 8 << 20
+SPEC_CHECK_S = 2.0
+"""How often a server checks that the trainer still publishes the spec it serves."""
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -55,14 +60,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.on_version = on_version
         self.fenced = True  # until registered
         self.served = 0
+        self.generating_since = 0.0
+        """When the group being sampled now began (monotonic; 0: idle)."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrt-generate")
         self._push_lock = asyncio.Lock()
 
     async def _authorize(self, context) -> None:
-        if not self.token.allows(context.invocation_metadata()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "This call needs the job's token, which it did not show; only the job's trainer "
-                                "holds it.")
+        await require_token(self.token, context, "This call needs the job's token, which it did not show; only "
+                            "the job's trainer holds it.")
 
     async def Generate(self, request, context):
         await self._authorize(context)
@@ -81,19 +86,29 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         t0 = time.perf_counter()
         try:
             out = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.engine.generate, held, request.step, request.prompt_id)
+                self._pool, self._generate, held, request.step, request.prompt_id, context.time_remaining())
         except StaleVersion as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"Rollout server {self.server_id}: {exc}.")
         except EngineFailed as exc:
             log.error("the engine failed a group: %s", exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"Rollout server {self.server_id}'s engine failed: {exc}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"Rollout server {self.server_id}'s engine failed: {exc}")
+        if out is None:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "The group's deadline passed while it waited.")
         self.served += 1
-        import torch
-
         return rollout_pb2.GenerateReply(
             step=request.step, prompt_id=request.prompt_id, version=held.version, group=out.shape[0],
-            width=out.shape[1], tokens=out.to(torch.int32).numpy().astype("<i4").tobytes(),
+            width=out.shape[1], tokens=out.numpy().astype("<i4").tobytes(),
             server_id=self.server_id, generate_s=time.perf_counter() - t0)
+
+    def _generate(self, held, step: int, prompt_id: int, remaining: float | None):
+        """On the generation thread: sample the group, unless its caller gave up while it queued."""
+        if remaining is not None and remaining <= 0:
+            return None
+        self.generating_since = time.monotonic()
+        try:
+            return self.engine.generate(held, step, prompt_id)
+        finally:
+            self.generating_since = 0.0
 
     async def PushWeights(self, request_iterator, context):
         await self._authorize(context)
@@ -123,7 +138,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         newest = self.engine.newest
         return rollout_pb2.InfoReply(server_id=self.server_id, job_id=self.job_id, engine=self.engine.name,
                                      version=newest.version, digest=newest.digest, served=self.served,
-                                     fenced=self.fenced, held=sorted(self.engine.versions))
+                                     fenced=self.fenced, held=sorted(self.engine.versions),
+                                     generating_s=time.monotonic() - since if (since := self.generating_since) else 0.0)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -153,11 +169,14 @@ class Registration:
         self.addr = addr
         self.ttl = ttl
         self.session: Session | None = None
+        self.spec_changed = False
+        self._spec_check_at = 0.0
 
     def record(self) -> ServerRecord:
         engine = self.servicer.engine
         return ServerRecord(server_id=self.servicer.server_id, addr=self.addr, engine=engine.name,
-                            versions=engine.versions, pid=os.getpid(), max_versions=engine.max_versions)
+                            versions=engine.versions, pid=os.getpid(), max_versions=engine.max_versions,
+                            spec_digest=engine.spec.digest)
 
     async def publish(self) -> None:
         """Write the record (its version changed); a lost lease is the keep-alive's to handle."""
@@ -189,6 +208,10 @@ class Registration:
             fence.cancel()
             if not self.servicer.engine.alive():
                 raise EngineFailed("the engine's process exited; this rollout server stops (see its log).")
+            if self.spec_changed:
+                raise ConfigError(f"The trainer of job {self.keys.job_id} now publishes another policy spec (a "
+                                  "new run under this job id); this server served the old one and stops: start it "
+                                  "again to serve the new run.")
             self.servicer.fenced = True
             log.warning("lease lost (%s): fenced, serving nothing until registered again", self.session.lost_reason)
 
@@ -202,19 +225,73 @@ class Registration:
                 self.servicer.fenced = True
                 await session.close()
                 return
+            if time.monotonic() >= self._spec_check_at:
+                self._spec_check_at = time.monotonic() + SPEC_CHECK_S
+                if await self._spec_changed():
+                    self.servicer.fenced = True
+                    self.spec_changed = True
+                    await session.close()
+                    return
             await asyncio.sleep(0.05)
+
+    async def _spec_changed(self) -> bool:
+        try:
+            kv, _ = await self.store.get(self.keys.rollout_spec, timeout=2.0)
+        except StoreError:
+            return False
+        return kv is not None and decode_spec(kv.value, self.keys.rollout_spec).digest != self.servicer.engine.spec.digest
 
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
 
 
+async def _serve(ns: argparse.Namespace, store: Store, keys: JobKeys, server_id: str, engine, token: JobToken) -> None:
+    """Serve ``engine`` on a port and keep this server registered until stopped."""
+    registration: Registration
+    servicer = RolloutServicer(server_id, ns.job_id, engine, token, on_version=lambda: registration.publish())
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE)])
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+    try:
+        port = server.add_insecure_port(f"{ns.host}:{ns.port}")
+        if not port:
+            raise ConfigError(f"Cannot serve on {ns.host}:{ns.port}; is the port taken?")
+        await server.start()
+        registration = Registration(store, keys, servicer, f"{ns.host}:{port}", ns.lease_ttl)
+        print(f"ftrt rollout: serving job {ns.job_id} as {server_id} at {ns.host}:{port}", flush=True)
+        try:
+            await registration.run()
+        finally:
+            servicer.fenced = True
+            await registration.close()
+    finally:
+        await server.stop(0.5)
+        servicer.close()
+
+
+def check_model_path(spec: PolicySpec, model_dirs: list[str]) -> None:
+    """A spec from etcd names the model a server loads: only a folder under one of ``--model-dir``,
+    and only safetensors weights (never a pickle)."""
+    if not spec.model.hf_path:
+        return
+    path = Path(spec.model.hf_path).resolve()
+    roots = [Path(d).resolve() for d in model_dirs]
+    if not any(path == r or r in path.parents for r in roots):
+        raise ConfigError(f"The trainer's spec asks for model.hf_path = {spec.model.hf_path!r}, which is under no "
+                          "--model-dir of this server; start it with --model-dir naming the folder that holds "
+                          "the job's models.")
+    if not path.is_dir() or not any(path.glob("*.safetensors")):
+        raise ConfigError(f"model.hf_path {spec.model.hf_path!r} holds no *.safetensors weights here; a rollout "
+                          "server loads only safetensors (never pickled .bin/.pt files).")
+
+
 def build_engine(ns: argparse.Namespace, spec: PolicySpec):
     """The engine ``--engine`` names, for ``spec``."""
+    check_model_path(spec, ns.model_dir)
     if ns.engine == "builtin":
         return BuiltinEngine(spec)
     import tempfile
-    from pathlib import Path
 
     from ftrt.rollout.vllm_engine import VllmEngine
 
@@ -232,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
                    help="builtin: the GRPO policy with counter-seeded sampling (bit-exact); vllm: the job's "
                    "Hugging Face policy (model.hf_path) in a vLLM server (exactly once, not bitwise)")
+    p.add_argument("--model-dir", action="append", default=[], metavar="DIR",
+                   help="a folder whose Hugging Face models (model.hf_path) this server may load (repeatable; "
+                   "the trainer's spec comes from etcd, so a path outside these is refused)")
     p.add_argument("--vllm-python", default=None, metavar="PYTHON", help="vllm: start vLLM's OpenAI server "
                    "with this interpreter (it may live in another virtual environment)")
     p.add_argument("--vllm-url", default=None, metavar="URL", help="vllm: a running vLLM OpenAI server started "
@@ -263,25 +343,10 @@ async def serve(ns: argparse.Namespace) -> None:
         token = await job_token(store, keys)
         spec = await wait_for_spec(store, keys)
         engine = build_engine(ns, spec)
-        log.info("policy of job %s built (%s engine, spec %s)", ns.job_id, engine.name, spec.digest)
-        registration: Registration
-        servicer = RolloutServicer(server_id, ns.job_id, engine, token, on_version=lambda: registration.publish())
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE),
-                                          ("grpc.max_send_message_length", MAX_MESSAGE)])
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
-        port = server.add_insecure_port(f"{ns.host}:{ns.port}")
-        if not port:
-            raise ConfigError(f"Cannot serve on {ns.host}:{ns.port}; is the port taken?")
-        await server.start()
-        registration = Registration(store, keys, servicer, f"{ns.host}:{port}", ns.lease_ttl)
-        print(f"ftrt rollout: serving job {ns.job_id} as {server_id} at {ns.host}:{port}", flush=True)
         try:
-            await registration.run()
+            log.info("policy of job %s built (%s engine, spec %s)", ns.job_id, engine.name, spec.digest)
+            await _serve(ns, store, keys, server_id, engine, token)
         finally:
-            servicer.fenced = True
-            await registration.close()
-            await server.stop(0.5)
-            servicer.close()
             engine.close()
     finally:
         await store.close()

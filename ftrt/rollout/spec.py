@@ -10,11 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from ftrt.errors import ConfigError
 from ftrt.grpo.config import GRPOConfig, ModelConfig, TaskConfig, _Strict, describe
-from pydantic import Field
 
 
 class PolicySpec(_Strict):
@@ -24,7 +23,7 @@ class PolicySpec(_Strict):
     group_size: int = Field(ge=2)
     temperature: float = Field(gt=0, le=10)
     max_new_tokens: int = Field(ge=0)
-    threads: int = Field(1, ge=1)
+    threads: int = Field(1, ge=1, le=256)
     model: ModelConfig
     task: TaskConfig
 

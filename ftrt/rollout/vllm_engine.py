@@ -41,6 +41,7 @@ import torch
 from ftrt.errors import ConfigError
 from ftrt.grpo.rollout import make_prompts, sample_seed
 from ftrt.grpo.setting import build_setting
+from ftrt.procs import descendants
 from ftrt.rollout.engine import NO_VERSION, Held
 from ftrt.rollout.spec import PolicySpec
 from ftrt.rollout.errors import EngineFailed, StaleVersion
@@ -62,23 +63,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def _free_port() -> int:
@@ -112,6 +96,7 @@ class VllmEngine:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen | None = None
+        self._broken = ""
         self.url = (url or "").rstrip("/")
         if python:
             self.url = self._start(python, ready_timeout)
@@ -188,13 +173,14 @@ class VllmEngine:
         return str(models[0]["id"])
 
     def alive(self) -> bool:
-        return self.proc is None or self.proc.poll() is None
+        """vLLM is up and its weights are known (False once a weight change failed half-way)."""
+        return not self._broken and (self.proc is None or self.proc.poll() is None)
 
     def close(self) -> None:
         """Stop the vLLM server this engine started, and every process it started."""
         if self.proc is None:
             return
-        family = _descendants(self.proc.pid)
+        family = descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -223,22 +209,32 @@ class VllmEngine:
         return h if h.version == version and h.digest == digest else None
 
     def apply(self, version: int, digest: str, tensors: dict[str, torch.Tensor], keep_from: int) -> float:
-        """Write the push as a folder and load it into vLLM (all or nothing; see the module docstring)."""
+        """Write the push as a folder and load it into vLLM (all or nothing; see the module docstring).
+
+        While the weights change the engine holds no version (a group asked for meanwhile is
+        refused). If vLLM cannot load them, the last good weights are loaded back and the push is
+        refused; if even that fails, or vLLM fails after loading, the engine is broken: it stops
+        (:meth:`alive` turns False and the server leaves the fleet) rather than serve weights it
+        cannot name.
+        """
         from safetensors.torch import save_file
 
+        if self.lookup(version, digest) is not None:
+            return 0.0  # the same version again (its first push's acknowledgement was lost)
         t0 = time.perf_counter()
         folder = self.workdir / f"v{version:08d}-{digest[:12]}"
-        if folder.exists():
+        if folder.exists() and str(folder) != self._good:
             shutil.rmtree(folder)
-        folder.mkdir(parents=True)
+        folder.mkdir(parents=True, exist_ok=True)
         for f in self.source.iterdir():  # config, tokenizer, generation config: everything but weights
             if f.is_file() and not f.name.endswith(WEIGHT_FILES):
                 shutil.copy2(f, folder / f.name)
         save_file({name.removeprefix("lm."): t.contiguous() for name, t in tensors.items()},
                   str(folder / "model.safetensors"))
         with self._lock:  # no group is sampled while the weights change
-            self._call("POST", "/pause?mode=wait")
+            previous, self._held = self._held, Held(NO_VERSION, "", None)
             try:
+                self._call("POST", "/pause?mode=wait")
                 try:
                     self._call("POST", "/collective_rpc", {"method": "reload_weights",
                                                            "kwargs": {"weights_path": str(folder)}})
@@ -246,15 +242,21 @@ class VllmEngine:
                     # a failed reload leaves vLLM's model broken: load the last good weights back at once
                     self._call("POST", "/collective_rpc", {"method": "reload_weights",
                                                            "kwargs": {"weights_path": self._good}})
+                    self._call("POST", "/reset_prefix_cache", {})
+                    self._call("POST", "/resume")
+                    self._held = previous
                     shutil.rmtree(folder, ignore_errors=True)
                     raise PushRefused(f"vLLM could not load version {version} ({exc}); it serves version "
-                                      f"{self._held.version} still.") from None
+                                      f"{previous.version} still.") from None
                 self._call("POST", "/reset_prefix_cache", {})
-            finally:
                 self._call("POST", "/resume")
+            except EngineFailed as exc:
+                self._broken = f"vLLM failed while its weights changed: {exc}"
+                log.error("%s; this engine stops", self._broken)
+                raise
             old, self._good = self._good, str(folder)
             self._held = Held(version, digest, None)
-        if old != str(self.source):
+        if old not in (str(self.source), str(folder)):
             shutil.rmtree(old, ignore_errors=True)
         return time.perf_counter() - t0
 

@@ -83,13 +83,14 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("server_id", "job_id", "engine", "version", "digest", "held", "served", "fenced")
+    __slots__ = ("server_id", "job_id", "engine", "version", "digest", "held", "generating_s", "served", "fenced")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    GENERATING_S_FIELD_NUMBER: _ClassVar[int]
     SERVED_FIELD_NUMBER: _ClassVar[int]
     FENCED_FIELD_NUMBER: _ClassVar[int]
     server_id: str
@@ -98,6 +99,7 @@ class InfoReply(_message.Message):
     version: int
     digest: str
     held: _containers.RepeatedScalarFieldContainer[int]
+    generating_s: float
     served: int
     fenced: bool
-    def __init__(self, server_id: _Optional[str] = ..., job_id: _Optional[str] = ..., engine: _Optional[str] = ..., version: _Optional[int] = ..., digest: _Optional[str] = ..., held: _Optional[_Iterable[int]] = ..., served: _Optional[int] = ..., fenced: _Optional[bool] = ...) -> None: ...
+    def __init__(self, server_id: _Optional[str] = ..., job_id: _Optional[str] = ..., engine: _Optional[str] = ..., version: _Optional[int] = ..., digest: _Optional[str] = ..., held: _Optional[_Iterable[int]] = ..., generating_s: _Optional[float] = ..., served: _Optional[int] = ..., fenced: _Optional[bool] = ...) -> None: ...

@@ -16,17 +16,22 @@ from ftrt.grpo.model import HFPolicy  # noqa: E402
 from ftrt.grpo.tasks import Reverse, TokenizerVocab  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tiny_gpt2(tmp_path_factory):
+def save_task_tokenizer(path) -> list[str]:
+    """A tokenizer in which every symbol of the built-in tasks (16 letters) is one token; its words."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    path = tmp_path_factory.mktemp("tiny-gpt2")
     words = ["<unk>", "<pad>", "<bos>", "<eos>", "=", *"abcdefghijklmnop"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                                bos_token="<bos>", eos_token="<eos>")
-    fast.save_pretrained(path)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                         bos_token="<bos>", eos_token="<eos>").save_pretrained(path)
+    return words
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    words = save_task_tokenizer(path)
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=len(words), n_positions=32, n_embd=32, n_layer=1, n_head=2,
                                   bos_token_id=2, eos_token_id=3, pad_token_id=1)

@@ -259,3 +259,54 @@ def test_a_server_that_loses_its_lease_fences_and_registers_again(tmp_path, etcd
     finally:
         server.stop()
     assert server.proc.returncode is not None
+
+
+def _put(etcd: str, key: str, value: bytes) -> None:
+    import asyncio
+
+    from ftrt.store.etcd import EtcdStore
+
+    async def go():
+        store = EtcdStore(etcd)
+        try:
+            await store.put(key, value)
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+
+
+def test_a_server_stops_when_the_trainer_publishes_another_spec(tmp_path, etcd_endpoint, job_id):
+    """A new run under the same job id (another temperature): the old server must not sample for it."""
+    from ftrt.grpo.config import load_config
+    from ftrt.jobkeys import JobKeys
+    from ftrt.rollout.spec import PolicySpec
+
+    key = JobKeys(job_id).rollout_spec
+    _put(etcd_endpoint, key, PolicySpec.of(load_config(None, CONFIG)).encode())
+    server = Server(tmp_path, etcd_endpoint, job_id, "s0", "--lease-ttl", "2")
+    try:
+        wait_registered([server])
+        _put(etcd_endpoint, key, PolicySpec.of(load_config(None, [*CONFIG, "temperature=0.7"])).encode())
+        assert server.proc.wait(30) != 0
+    finally:
+        server.stop()
+    assert "now publishes another policy spec" in server.log() and "Traceback" not in server.log()
+
+
+def test_a_server_loads_models_only_from_its_model_dirs(tmp_path, etcd_endpoint, job_id):
+    """The spec comes from etcd: a model path outside --model-dir is refused before anything loads."""
+    from ftrt.grpo.config import load_config
+    from ftrt.jobkeys import JobKeys
+    from ftrt.rollout.spec import PolicySpec
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    spec = PolicySpec.of(load_config(None, [*CONFIG, f"model.hf_path={outside}"]))
+    _put(etcd_endpoint, JobKeys(job_id).rollout_spec, spec.encode())
+    server = Server(tmp_path, etcd_endpoint, job_id, "s0", "--model-dir", str(tmp_path / "models"))
+    try:
+        assert server.proc.wait(60) == 2
+    finally:
+        server.stop()
+    assert "under no --model-dir" in server.log() and "Traceback" not in server.log()

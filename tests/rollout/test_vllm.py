@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from ftrt.chaos.local import wait_until
-from tests.rollout.fleetkit import Server, fleet_config, lines, stop_all, trainer, wait_steps
+from tests.rollout.fleetkit import Server, fleet_config, lines, stop_all, trainer
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
@@ -34,15 +34,11 @@ def tiny_llama(tmp_path_factory):
     """A random-init Llama that vLLM's CPU backend takes (head size 64) and a tokenizer whose every
     task symbol is one token."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tests.grpo.test_hf_policy import save_task_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    words = ["<unk>", "<pad>", "<bos>", "<eos>", "=", *"abcdefghijklmnop"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                                bos_token="<bos>", eos_token="<eos>")
-    fast.save_pretrained(path)
+    words = save_task_tokenizer(path)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=2,
                                    intermediate_size=256, num_hidden_layers=1, vocab_size=len(words),
@@ -52,7 +48,7 @@ def tiny_llama(tmp_path_factory):
     return path
 
 
-CONFIG = ["steps=200", "prompts_per_step=4", "group_size=4", "task.params={length: 3, alphabet: 6}",
+CONFIG = ["steps=600", "prompts_per_step=4", "group_size=4", "task.params={length: 3, alphabet: 6}",
           "checkpoint.url=null", "rollout.wait_timeout=900", "rollout.request_timeout=60"]
 
 
@@ -68,7 +64,7 @@ def test_a_vllm_server_serves_seeded_groups_and_its_death_loses_no_prompt(tmp_pa
     from ftrt.v1 import rollout_pb2, rollout_pb2_grpc
 
     vllm = Server(tmp_path, etcd_endpoint, job_id, "vllm0", "--engine", "vllm", "--vllm-python", VLLM_PYTHON,
-                  "--vllm-dir", str(tmp_path / "vllm"), "--lease-ttl", "5")
+                  "--vllm-dir", str(tmp_path / "vllm"), "--lease-ttl", "5", "--model-dir", str(tiny_llama))
     builtin = None
     t = trainer(tmp_path, fleet_config(tmp_path, "run", etcd_endpoint, job_id, *CONFIG,
                                        f"model.hf_path={tiny_llama}"))
@@ -98,7 +94,7 @@ def test_a_vllm_server_serves_seeded_groups_and_its_death_loses_no_prompt(tmp_pa
                 assert a.tokens == b.tokens and (a.group, a.width) == (4, 3)  # seeded: the same group twice
             except grpc.RpcError as exc:  # it moved on to the next version meanwhile
                 assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc
-        builtin = Server(tmp_path, etcd_endpoint, job_id, "builtin0")  # a second engine joins the job
+        builtin = Server(tmp_path, etcd_endpoint, job_id, "builtin0", "--model-dir", str(tiny_llama))
         wait_until(lambda: any(r["rollout_servers"] == 2 for r in lines(metrics)) or t.poll() is not None, 300,
                    "both servers serving")
         assert t.poll() is None, "the job ended before the built-in server joined"
@@ -107,9 +103,9 @@ def test_a_vllm_server_serves_seeded_groups_and_its_death_loses_no_prompt(tmp_pa
     finally:
         stop_all([vllm, *([builtin] if builtin else []), t])
     rows = lines(metrics)
-    assert [r["step"] for r in rows] == list(range(200))
+    assert [r["step"] for r in rows] == list(range(600))
     ids = [i for r in rows for i in r["prompt_ids"]]
-    assert ids == list(range(800))  # every prompt exactly once, in order
+    assert ids == list(range(2400))  # every prompt exactly once, in order
     assert rows[-1]["resumes"] == 0
     assert any(r["rollout_servers"] == 2 for r in rows)  # both engines served the job
     served = json.dumps(vllm.log())
