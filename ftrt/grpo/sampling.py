@@ -177,7 +177,10 @@ class FleetSampling:
                     self.fleet.submit(nxt, self.prompts(frontier, step, nxt), self.version_of(nxt))
                 results, redone = self.fleet.collect(step)
                 rollout_s = time.perf_counter() - t0
-                push_s = self.fleet.push_stats(step).seconds  # this step's weights, to every server that took them
+                # this step's weights, to every server that took them; with K >= 1 that push may still be on
+                # its way (nothing waits for it yet): then the previous version's, which is done
+                pushed = self.fleet.push_stats(step)
+                push_s = (pushed if pushed.servers else self.fleet.push_stats(step - 1)).seconds
                 for i, pid in enumerate(self.prompts(frontier, step, step)):
                     block[i] = results[pid]
                 header = torch.tensor([1.0, redone, self.fleet.live, push_s, rollout_s], dtype=torch.float64)
