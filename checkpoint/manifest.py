@@ -16,7 +16,7 @@ import hashlib
 import json
 import zlib
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ftrt._version import __version__
 from ftrt.checkpoint.signing import SIGNATURE, CheckpointKey
@@ -162,20 +162,22 @@ def verify_files(loc: Location, folder: str, manifest: Manifest, names: Iterable
             )
 
 
-def verify_step(loc: Location, folder: str, key: CheckpointKey | None = None) -> Manifest:
+def verify_step(loc: Location, folder: str, key: CheckpointKey | None = None, *,
+                name_of: Callable[[int], str] = step_dir) -> Manifest:
     """The one check of a stored step, as ``ftrt ckpt verify`` and the chaos invariants make it: its
     manifest is read (and its signature checked when ``key`` is given), then every file it lists
     must exist with its size and checksum. Restore makes the same check with the files shared
     out over the ranks (:func:`verify_files` on each rank's share). Raises
     :class:`CheckpointCorrupt` with the first reason found."""
-    manifest = read_manifest(loc, folder, key)
+    manifest = read_manifest(loc, folder, key, name_of=name_of)
     verify_files(loc, folder, manifest, sorted(manifest.files))
     return manifest
 
 
-def read_manifest(loc: Location, folder: str, key: CheckpointKey | None = None) -> Manifest:
+def read_manifest(loc: Location, folder: str, key: CheckpointKey | None = None, *,
+                  name_of: Callable[[int], str] = step_dir) -> Manifest:
     """Read and parse a folder's manifest; :class:`CheckpointCorrupt` if absent or invalid, or
-    (with ``key``) not signed under it."""
+    (with ``key``) not signed under it, or found in a folder not named ``name_of(its step)``."""
     path = loc.path(folder, MANIFEST)
     try:
         with loc.fs.open(path, "rb") as f:
@@ -185,7 +187,7 @@ def read_manifest(loc: Location, folder: str, key: CheckpointKey | None = None) 
     m = Manifest.from_json(raw, f"{folder}/{MANIFEST}")
     check_signature(m, key, f"The checkpoint {folder}")
     named = folder.rstrip("/").rsplit("/", 1)[-1]
-    if named != step_dir(m.step):
+    if named != name_of(m.step):
         raise CheckpointCorrupt(f"The manifest in {folder} is the one of step {m.step}: a checkpoint copied under "
                                 "another step's name is not trusted.")
     return m
