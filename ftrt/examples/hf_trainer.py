@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ class LossLog(TrainerCallback):
         if self.path and state.is_world_process_zero and logs and "loss" in logs:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": state.global_step, "loss": logs["loss"],
-                                    "grad_norm": logs.get("grad_norm")}) + "\n")
+                                    "grad_norm": logs.get("grad_norm"), "time": time.time()}) + "\n")
         return control
 
 
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--save-steps", type=int, default=1)
     p.add_argument("--metrics", default=None, help="rank 0 appends one JSON line per logged step here")
+    p.add_argument("--no-ftrt", action="store_true", help="the plain Trainer script, without ftrt's two lines "
+                   "(the baseline of python -m bench hf_callback)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, intermediate_size=128,
@@ -64,9 +67,9 @@ def main(argv: list[str] | None = None) -> None:
                               use_cpu=True, report_to=[], dataloader_num_workers=0,
                               ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
                               disable_tqdm=True)
-    trainer = Trainer(model=model, args=targs, train_dataset=Sequences(64, 16),
-                      callbacks=[FtrtCallback(), LossLog(args.metrics)])
-    trainer.train(resume_from_checkpoint=resume_checkpoint(args.out))
+    extra = [] if args.no_ftrt else [FtrtCallback()]
+    trainer = Trainer(model=model, args=targs, train_dataset=Sequences(64, 16), callbacks=[*extra, LossLog(args.metrics)])
+    trainer.train(resume_from_checkpoint=None if args.no_ftrt else resume_checkpoint(args.out))
 
 
 if __name__ == "__main__":

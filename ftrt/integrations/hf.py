@@ -124,6 +124,12 @@ class FtrtCallback(TrainerCallback):
 
     def __init__(self, runtime: ftrt.Runtime | None = None) -> None:
         self.rt = runtime or ftrt.init()
+        self._pointers: dict[str, object] = {}  # rank 0: one etcd connection per output_dir, kept
+
+    def _pointer_for(self, output_dir: str):
+        if output_dir not in self._pointers:
+            self._pointers[output_dir] = _pointer(self.rt, output_dir)
+        return self._pointers[output_dir]
 
     def on_step_end(self, args, state, control, **kwargs):
         self.rt.heartbeat(state.global_step)
@@ -134,18 +140,17 @@ class FtrtCallback(TrainerCallback):
         if dist is not None:
             dist.barrier()  # every rank has written its part of checkpoint-N
         if state.is_world_process_zero:
-            pointer = _pointer(self.rt, args.output_dir)
-            try:
-                commit_folder(args.output_dir, state.global_step, self.rt.world_size, round_no=self.rt.round,
-                              pointer=pointer)
-            finally:
-                if pointer is not None:
-                    pointer.close()
+            commit_folder(args.output_dir, state.global_step, self.rt.world_size, round_no=self.rt.round,
+                          pointer=self._pointer_for(args.output_dir))
         if dist is not None:
             dist.barrier()  # no rank goes on before the commit (or its failure) is settled
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        for pointer in self._pointers.values():
+            if pointer is not None:
+                pointer.close()
+        self._pointers.clear()
         if state.global_step >= state.max_steps:
             self.rt.done()
         return control
