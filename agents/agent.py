@@ -28,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import signal
 import socket
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import grpc.aio
@@ -53,7 +55,7 @@ from ftrt.agents.replicator import Replicator
 from ftrt.agents.service import AgentServicer, AgentStatus, bind_server, serve
 from ftrt.agents.states import AgentState, check_transition
 from ftrt.agents.telemetry import Metrics, metrics_for
-from ftrt.agents.worker_env import worker_env
+from ftrt.agents.worker_env import recorded_error, worker_env
 from ftrt.agents.workers import Worker, WorkerPool, change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, StoreUnavailable, WorkerFailure
@@ -490,6 +492,9 @@ class Agent:
         if failed and self.state is AgentState.RUNNING:
             w = failed[0]
             detail = f"rank {w.rank} (pid {w.pid}) exited with code {w.exit_code}"
+            cause = recorded_error(Path(self.mem_dir) / "errors" / f"round-{w.round}" / f"rank-{w.rank}.json")
+            if cause:
+                detail += f": {cause}"
             await self._fail_round("failure", detail)
             return
         running = self.pool.running
@@ -611,6 +616,8 @@ class Agent:
             master_addr, master_port = master.addr, master.port
             workers = await self.pool.take()
         offset = rnd.rank_offset(self.cfg.node_id)
+        errors = Path(self.mem_dir) / "errors" / f"round-{rnd.round}"
+        errors.mkdir(parents=True, exist_ok=True)
         for local_rank, w in enumerate(workers):
             env = worker_env(
                 rnd, node_id=self.cfg.node_id, local_rank=local_rank, job_id=self.cfg.job_id,
@@ -618,6 +625,8 @@ class Agent:
                 max_restarts=self.cfg.max_restarts, agent_addr=self.agent_addr, etcd=self.endpoints,
                 etcd_access=self.cfg.etcd_access, mtbf=self.cfg.mtbf,
                 checkpoint_key_file=self.cfg.checkpoint_key_file,
+                error_file=str(errors / f"rank-{offset + local_rank}.json"),
+                nccl_async_error_handling=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             )
             self.pool.assign(
                 w, local_rank=local_rank, rank=offset + local_rank, round_no=rnd.round, env=env,

@@ -28,11 +28,16 @@ def worker_env(
     etcd_access: EtcdAccess = EtcdAccess(),
     mtbf: float | None = None,
     checkpoint_key_file: str | None = None,
+    error_file: str = "",
+    nccl_async_error_handling: str = "1",
 ) -> dict[str, str]:
     """Variables for one worker of ``node_id`` in round ``rnd`` (which must include the node).
 
     ``etcd_access`` reaches the worker as its ``FTRT_ETCD_*`` variables (file paths, never a
-    password: one from ``FTRT_ETCD_PASSWORD`` is inherited with the agent's environment)."""
+    password: one from ``FTRT_ETCD_PASSWORD`` is inherited with the agent's environment).
+    ``error_file``: where a worker whose entry point is wrapped in torchelastic's ``@record``
+    writes its exception (``TORCHELASTIC_ERROR_FILE``); ``nccl_async_error_handling``: the
+    operator's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, else torchrun's default ``1``."""
     member = rnd.member(node_id)
     if member is None:
         raise ValueError(f"node {node_id!r} is not a member of round {rnd.round}")
@@ -56,6 +61,9 @@ def worker_env(
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "TORCHELASTIC_RUN_ID": job_id,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": nccl_async_error_handling,
+        **({"TORCHELASTIC_ERROR_FILE": error_file} if error_file else {}),
         envnames.JOB_ID: job_id,
         envnames.NODE_ID: node_id,
         envnames.ROUND: str(rnd.round),
@@ -70,3 +78,18 @@ def worker_env(
         # an operator's own FTRT_CHECKPOINT_KEY(_FILE) reaches the worker with the agent's environment.
         **({envnames.CHECKPOINT_KEY_FILE: checkpoint_key_file} if checkpoint_key_file else {}),
     }
+
+
+def recorded_error(path) -> str:
+    """The first line of the exception a worker wrapped in torchelastic's ``@record`` wrote to its
+    ``TORCHELASTIC_ERROR_FILE`` (at most 300 characters), or "" when there is none or it is not one."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(1 << 20))
+        message = data["message"]
+        text = message.get("message", "") if isinstance(message, dict) else str(message)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+    return str(text).strip().splitlines()[0][:300] if str(text).strip() else ""

@@ -299,3 +299,57 @@ def test_sigterm_stops_workers_cleanly_and_leaves_the_job_at_once(tmp_path, make
     log_file = tmp_path / "logs" / "round-1" / "rank-0.log"
     assert log_file.read_text().startswith("rank 0 of 1 (round 1) starts at step 0")
     assert "[rank0]: rank 0 of 1 (round 1) starts at step 0" in a.log()  # console lines are prefixed
+
+
+ENV_DUMP = (
+    "import json, os, sys\n"
+    "base = set(json.loads(os.environ['BASE_KEYS']))\n"
+    "out = {k: v for k, v in os.environ.items() if k not in base}\n"
+    "open(sys.argv[1] + '-' + os.environ['RANK'] + '.json', 'w').write(json.dumps(out))\n"
+)
+TORCHRUN_ONLY = {"BASE_KEYS"}
+"""Names torchrun sets that a worker under ftrt does not need (none today but the test's own)."""
+
+
+def test_every_variable_torchrun_sets_is_set_by_ftrt_launch_with_its_meaning(tmp_path):
+    """Parity measured against the real torchrun, not a list: what Lightning, accelerate and
+    torchelastic's @record read must be there."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "dump.py"
+    script.write_text(ENV_DUMP)
+    env = {**os.environ, "BASE_KEYS": json.dumps(list(os.environ) + ["BASE_KEYS"])}
+    for name, cmd in (("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone"]),
+                      ("ftrt", [sys.executable, "-m", "ftrt.cli.main", "launch", "--standalone"])):
+        res = subprocess.run([*cmd, "--nproc-per-node", "2", str(script), str(tmp_path / name)], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+    for rank in ("0", "1"):
+        theirs = json.loads((tmp_path / f"torchrun-{rank}.json").read_text())
+        ours = json.loads((tmp_path / f"ftrt-{rank}.json").read_text())
+        assert set(theirs) - TORCHRUN_ONLY <= set(ours), set(theirs) - set(ours)
+        same = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS")
+        assert {k: ours[k] for k in same} == {k: theirs[k] for k in same}
+        assert ours["TORCHELASTIC_ERROR_FILE"].endswith(f"rank-{rank}.json")
+
+
+def test_a_worker_s_recorded_exception_is_named_in_the_failure(tmp_path, make_node):
+    """A script wrapped in torchelastic's @record writes its exception to TORCHELASTIC_ERROR_FILE;
+    the agent names it when it reports the failure."""
+    script = tmp_path / "boom.py"
+    script.write_text(
+        "import os\n"
+        "from torch.distributed.elastic.multiprocessing.errors import record\n"
+        "@record\n"
+        "def main():\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise ValueError('the learning rate is a string')\n"
+        "main()\n")
+    node = make_node("a", [str(script)], nnodes="1", extra=("--nproc-per-node", "2", "--max-restarts", "0"))
+    assert node.wait(120) != 0
+    assert "exited with code 1: ValueError: the learning rate is a string" in node.log(), node.log()[-2000:]
