@@ -152,18 +152,19 @@ def run_fleet_demo(out: Path, *, nodes: int = 3, steps: int = 150, timeout: floa
     started = time.time()
     etcd = EtcdServer(name="ftrt-demo", unsafe_no_fsync=True, log_path=str(out / "etcd.log")).start()
     fleet = RolloutServers(out, "demo", etcd.endpoint, "demo", "127.0.0.1", 2.0, [])
-    _say(f"embedded etcd on {etcd.endpoint}; starting 2 rollout servers and {nodes} agents (nodes), one GRPO "
-         "worker each, sampling through the fleet")
-    for i in range(2):
-        fleet.start(f"rollout{i}")
+    agents: dict[str, LocalNode] = {}
     launch = [
         "--etcd", etcd.endpoint, "--job-id", "demo", "--nnodes", f"{nodes}", "--lease-ttl", "2",
         "--first-round-wait", "10", "-m", "ftrt.grpo", f"steps={steps}", "prompts_per_step=30",
         f"metrics_path={metrics}", "checkpoint.url=null", "rollout.mode=fleet", "progress=none",
     ]
-    agents = {f"node{i}": LocalNode(out, f"node{i}", launch).start() for i in range(nodes)}
     events: list[tuple[float, str]] = []
     try:
+        _say(f"embedded etcd on {etcd.endpoint}; starting 2 rollout servers and {nodes} agents (nodes), one GRPO "
+             "worker each, sampling through the fleet")
+        for i in range(2):
+            fleet.start(f"rollout{i}")
+        agents.update({f"node{i}": LocalNode(out, f"node{i}", launch).start() for i in range(nodes)})
         left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
         wait_until(lambda: len(_lines(metrics)) >= 1, left(), "the first GRPO step")
         _say(f"training GRPO at world size {nodes}; every step's prompt groups go to the rollout servers")
