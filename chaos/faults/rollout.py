@@ -84,9 +84,48 @@ def kill_rollout(ctx: Context, fault) -> Injected:
                     detail=f"SIGKILL rollout server (pid {proc.pid}); restarted after {fault.duration_s} s")
 
 
+def _sampling_now(ctx: Context, name: str, within: float = 5.0) -> bool:
+    """Wait (up to ``within`` s) for server ``name`` to be sampling a group, so that a freeze holds
+    work in flight (the deadline path) rather than catching it idle; whether it was."""
+    import asyncio
+    import time
+
+    import grpc
+
+    from ftrt.jobkeys import JobKeys
+    from ftrt.rollout.records import ServerRecord
+    from ftrt.store.access import EtcdAccess
+    from ftrt.store.etcd import EtcdStore
+    from ftrt.v1 import rollout_pb2, rollout_pb2_grpc
+
+    async def addr() -> str | None:
+        store = EtcdStore(ctx.etcd_endpoints, timeout=3.0, access=ctx.etcd_access or EtcdAccess())
+        try:
+            kv, _ = await store.get(JobKeys(ctx.job_id).rollout_server(name))
+            return ServerRecord.decode(kv.value).addr if kv else None
+        finally:
+            await store.close()
+
+    where = asyncio.run(addr())
+    if where is None:
+        return False
+    end = time.monotonic() + within
+    with grpc.insecure_channel(where) as ch:
+        stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+        while time.monotonic() < end:
+            try:
+                if stub.Info(rollout_pb2.InfoRequest(), timeout=1.0).generating_s > 0:
+                    return True
+            except grpc.RpcError:
+                return False
+            time.sleep(0.002)
+    return False
+
+
 def freeze_rollout(ctx: Context, fault) -> Injected:
     name = _pick(ctx, fault.target)
     pid = ctx.rollouts.procs[name].pid
+    busy = _sampling_now(ctx, name)
     os.kill(pid, signal.SIGSTOP)
     ctx.rollouts.frozen.add(name)
 
@@ -97,7 +136,8 @@ def freeze_rollout(ctx: Context, fault) -> Injected:
         except ProcessLookupError:
             pass
 
-    return Injected(name, end=thaw, detail=f"SIGSTOP rollout server (pid {pid}) for {fault.duration_s} s")
+    return Injected(name, end=thaw, detail=f"SIGSTOP rollout server (pid {pid}) for {fault.duration_s} s, "
+                                           + ("while it sampled a group" if busy else "while idle"))
 
 
 def add_rollout(ctx: Context, fault) -> Injected:
