@@ -213,12 +213,9 @@ class FleetSampling:
                         ahead[s - done, i] = results[pid]
             except Exception as exc:  # noqa: BLE001
                 error = str(exc)
-        flag = torch.tensor([0.0 if error else 1.0], dtype=torch.float64)
+        self._agree(error)
         if self.distributed:
-            dist.broadcast(flag, 0)
             dist.broadcast(ahead, 0)
-        if flag.item() != 1.0:
-            raise ConfigError(error or "Rank 0 lost the rollout fleet; see its error.")
         state["ahead_from"] = done
 
     def close(self) -> None:
