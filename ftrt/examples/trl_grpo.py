@@ -1,0 +1,115 @@
+"""TRL's ``GRPOTrainer`` under ftrt: ``ftrt launch --nproc-per-node 2 -m ftrt.examples.trl_grpo --out DIR``.
+
+A tiny random-init Llama and a character tokenizer are made here (nothing is downloaded); the
+prompts are fixed strings and the reward is the share of ``a`` in a completion. Generation
+windows span ``--num-iterations x --steps-per-generation`` steps, so most checkpoints fall inside
+one. The script adds two lines to a plain TRL script: ``trainer.add_callback(FtrtCallback(trainer))``
+and ``resume_from_checkpoint=resume_checkpoint(out)``. Rank 0 appends ``{"step", "loss",
+"grad_norm", "time"}`` per logged step to ``--metrics``. ``--hold-after N --hold-file P`` stops
+every rank after step N's checkpoint until P exists (a test's fixed point to kill a worker at).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+CHARS = "abcdefghijklmnopqrstuvwxyz ."
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character of ``CHARS``, plus pad, bos, eos and unk."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def share_of_a(completions: list[str], **_) -> list[float]:
+    return [c.count("a") / max(len(c), 1) for c in completions]
+
+
+class LossLog(TrainerCallback):
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.path and state.is_world_process_zero and logs and "loss" in logs:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": state.global_step, "loss": logs["loss"],
+                                    "grad_norm": logs.get("grad_norm"), "time": time.time()}) + "\n")
+        return control
+
+
+class Hold(TrainerCallback):
+    """After step ``step``'s save, wait until ``file`` exists."""
+
+    def __init__(self, step: int, file: str) -> None:
+        self.step, self.file = step, Path(file)
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            while not self.file.exists():
+                time.sleep(0.05)
+        return control
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="the Trainer's output_dir (checkpoints)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--num-iterations", type=int, default=2)
+    p.add_argument("--steps-per-generation", type=int, default=2)
+    p.add_argument("--save-steps", type=int, default=1)
+    p.add_argument("--metrics", default=None, help="rank 0 appends one JSON line per logged step here")
+    p.add_argument("--hold-after", type=int, default=0)
+    p.add_argument("--hold-file", default=None)
+    p.add_argument("--ftrt", choices=("trl", "hf", "none"), default="trl",
+                   help="trl: ftrt's TRL callback (buffers checkpointed); hf: only the Trainer's callback (TRL's "
+                        "resume gap stays); none: the plain TRL script (the baseline of python -m bench)")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    tok = char_tokenizer()
+    cfg = LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                      num_hidden_layers=2, vocab_size=len(tok), max_position_embeddings=64, attention_dropout=0.1,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(cfg)
+    prompts = Dataset.from_dict({"prompt": [f"say {w}." for w in
+                                            "aa ab ba bb ca ac cc da ad dd ea ae ee fa af ff".split()]})
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    config = GRPOConfig(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=2, num_generations=2,
+                        num_iterations=args.num_iterations, steps_per_generation=args.steps_per_generation,
+                        max_completion_length=6, learning_rate=1e-3, logging_steps=1, save_steps=args.save_steps,
+                        seed=0, use_cpu=True, report_to=[], dataloader_num_workers=0, disable_tqdm=True,
+                        ddp_backend="gloo" if world > 1 else None)
+    trainer = GRPOTrainer(model=model, reward_funcs=share_of_a, args=config, train_dataset=prompts,
+                          processing_class=tok, callbacks=[LossLog(args.metrics)])
+    resume = None
+    if args.ftrt == "trl":
+        from ftrt.integrations.trl import FtrtCallback, resume_checkpoint
+
+        trainer.add_callback(FtrtCallback(trainer))
+        resume = resume_checkpoint(args.out)
+    elif args.ftrt == "hf":
+        from ftrt.integrations.hf import FtrtCallback, resume_checkpoint
+
+        trainer.add_callback(FtrtCallback())
+        resume = resume_checkpoint(args.out)
+    if args.hold_after:
+        trainer.add_callback(Hold(args.hold_after, args.hold_file))
+    trainer.train(resume_from_checkpoint=resume)
+
+
+if __name__ == "__main__":
+    main()

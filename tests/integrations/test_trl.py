@@ -1,0 +1,82 @@
+"""TRL's GRPOTrainer under ftrt (``ftrt.integrations.trl``): a real GRPOTrainer generating with a
+tiny Llama, 2 ranks on gloo, real agents on a real etcd, a real SIGKILL inside a generation window;
+losses compared bit for bit with the uninterrupted run. The same crash with only the Hugging Face
+callback (TRL's own resume) diverges: the upstream gap, kept as an expected failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl", reason="the trl extra is not installed")
+
+from ftrt.chaos.local import worker_pids  # noqa: E402
+from tests.agents.harness import FAST_WARM, Node, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+HOLD = 3  # generation windows are 4 steps (2 iterations x 2 steps per generation): step 3 lies inside one
+
+
+def _losses(path: Path) -> dict[int, tuple[float, float]]:
+    """Step -> (loss, grad norm), the last line of each step (a resumed run logs its steps again)."""
+    out = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            out[row["step"]] = (row["loss"], row["grad_norm"])
+    return out
+
+
+def _job(tmp: Path, name: str, etcd: str, job_id: str, *extra: str) -> list[str]:
+    return ["--etcd", etcd, "--job-id", job_id, "--nnodes", "1", "--nproc-per-node", "2", "--lease-ttl", "2",
+            "--first-round-wait", "1", *FAST_WARM, "-m", "ftrt.examples.trl_grpo", "--out", str(tmp / f"{name}-out"),
+            "--steps", str(STEPS), "--metrics", str(tmp / f"{name}.jsonl"), *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, etcd_server):
+    tmp = tmp_path_factory.mktemp("trl-ref")
+    node = Node(tmp, "ref", _job(tmp, "ref", etcd_server.endpoint, "trl-ref")).start()
+    try:
+        assert node.wait(240) == 0, node.log()[-3000:]
+    finally:
+        node.cleanup()
+    got = _losses(tmp / "ref.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    return got
+
+
+def _killed_inside_a_window(tmp: Path, etcd: str, job_id: str, mode: str) -> tuple[dict, str]:
+    hold = tmp / "go"
+    node = Node(tmp, "a", _job(tmp, "run", etcd, job_id, "--ftrt", mode, "--hold-after", str(HOLD),
+                               "--hold-file", str(hold))).start()
+    try:
+        # every rank waits after step 3's committed checkpoint: the kill lands inside the window
+        wait_until(lambda: (tmp / "run-out" / f"checkpoint-{HOLD}" / "manifest.json").exists(), 180, "step 3's commit")
+        os.kill(worker_pids(etcd, job_id)[1], signal.SIGKILL)
+        hold.touch()
+        assert node.wait(240) == 0, node.log()[-3000:]
+    finally:
+        node.cleanup()
+    assert "round 2: started ranks" in node.log()  # the kill restarted the workers, which resumed
+    return _losses(tmp / "run.jsonl"), node.log()
+
+
+def test_a_worker_killed_inside_a_generation_window_resumes_with_bit_identical_losses(tmp_path, reference,
+                                                                                       etcd_endpoint, job_id):
+    got, _ = _killed_inside_a_window(tmp_path, etcd_endpoint, job_id, "trl")
+    assert got == reference  # every step's loss and grad norm, bit for bit, steps 4-8 after the resume
+
+
+@pytest.mark.xfail(strict=True, reason="TRL does not checkpoint its generation buffer (trl #3247): a resume inside "
+                   "a window regenerates at the wrong step")
+def test_without_ftrt_s_trl_support_the_same_crash_diverges(tmp_path, reference, etcd_endpoint, job_id):
+    got, _ = _killed_inside_a_window(tmp_path, etcd_endpoint, job_id, "hf")
+    assert sorted(got) == list(range(1, STEPS + 1))  # it does finish: the failure is the losses
+    assert got == reference
