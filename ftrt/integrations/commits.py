@@ -78,10 +78,12 @@ def commit_folder(output_dir: str, folder: str, step: int, world_size: int, *, t
 
 
 def newest_committed(output_dir: str, pattern: re.Pattern, name_of: Callable[[int], str],
-                     runtime: ftrt.Runtime | None = None) -> str | None:
+                     runtime: ftrt.Runtime | None = None, accept: Callable[[str], str | None] | None = None
+                     ) -> str | None:
     """The newest folder of ``output_dir`` named by ``pattern`` (its group 1 the step) whose files
     all match their manifest and, under ``ftrt launch``, whose step is not newer than the job's
-    ``latest``; or None. ``name_of(step)`` must give the folder's name back."""
+    ``latest``; or None. ``name_of(step)`` must give the folder's name back. ``accept(path)``, called
+    only on a verified folder, may pass it over by returning the reason."""
     root = Path(output_dir)
     if not root.is_dir():
         return None
@@ -103,6 +105,10 @@ def newest_committed(output_dir: str, pattern: re.Pattern, name_of: Callable[[in
             mf.verify_step(loc, folder, name_of=name_of)
         except CheckpointCorrupt as exc:
             log.warning("not resuming from %s: %s", folder, exc)
+            continue
+        reason = accept(str(root / folder)) if accept is not None else None
+        if reason is not None:
+            log.warning("not resuming from %s: %s", folder, reason)
             continue
         return str(root / folder)
     return None

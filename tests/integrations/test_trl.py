@@ -33,10 +33,27 @@ def _losses(path: Path) -> dict[int, tuple[float, float]]:
     return out
 
 
-def _job(tmp: Path, name: str, etcd: str, job_id: str, *extra: str) -> list[str]:
-    return ["--etcd", etcd, "--job-id", job_id, "--nnodes", "1", "--nproc-per-node", "2", "--lease-ttl", "2",
-            "--first-round-wait", "1", *FAST_WARM, "-m", "ftrt.examples.trl_grpo", "--out", str(tmp / f"{name}-out"),
-            "--steps", str(STEPS), "--metrics", str(tmp / f"{name}.jsonl"), *extra]
+def _job(tmp: Path, name: str, etcd: str, job_id: str, *extra: str, nnodes: str = "1", nproc: int = 2,
+         steps: int = STEPS) -> list[str]:
+    return ["--etcd", etcd, "--job-id", job_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+            "--lease-ttl", "2", "--first-round-wait", "1", *FAST_WARM, "-m", "ftrt.examples.trl_grpo",
+            "--out", str(tmp / f"{name}-out"), "--steps", str(steps), "--metrics", str(tmp / f"{name}.jsonl"),
+            "--ledger", str(tmp / f"{name}-ledger.jsonl"), *extra]
+
+
+def _generations(path: Path) -> list[list[str]]:
+    """The prompts of every generation the finished run trained on, in order: a worker that starts
+    at step s (a resume) discards what earlier rounds generated at step s or later."""
+    kept: list[dict] = []
+    for row in (json.loads(x) for x in path.read_text().splitlines()):
+        if "start" in row:
+            kept = [k for k in kept if k["round"] >= row["round"] or k["step"] < row["start"]]
+        else:
+            kept.append(row)
+    by_step: dict[int, list[str]] = {}
+    for k in kept:
+        by_step.setdefault(k["step"], []).extend(k["prompts"])
+    return [sorted(by_step[s]) for s in sorted(by_step)]
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +97,31 @@ def test_without_ftrt_s_trl_support_the_same_crash_diverges(tmp_path, reference,
     got, _ = _killed_inside_a_window(tmp_path, etcd_endpoint, job_id, "hf")
     assert sorted(got) == list(range(1, STEPS + 1))  # it does finish: the failure is the losses
     assert got == reference
+
+
+def test_a_lost_node_shrinks_the_world_and_trains_every_prompt_exactly_once(tmp_path, etcd_endpoint, job_id):
+    from ftrt.examples.trl_grpo import PROMPTS
+    from ftrt.integrations.trl import GenerationOrder
+
+    steps, hold = 16, 6  # windows are 4 steps at world 2 and 8 at world 1: step 6 lies inside one
+    args = _job(tmp_path, "run", etcd_endpoint, job_id, "--hold-after", str(hold), "--hold-file",
+                str(tmp_path / "go"), nnodes="1:2", nproc=1, steps=steps)
+    nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
+    try:
+        wait_until(lambda: (tmp_path / "run-out" / f"checkpoint-{hold}" / "manifest.json").exists(), 180,
+                   "step 6's commit")
+        nodes["b"].kill()
+        (tmp_path / "go").touch()
+        assert nodes["a"].wait(240) == 0, nodes["a"].log()[-3000:]
+    finally:
+        for n in nodes.values():
+            n.cleanup()
+    log = nodes["a"].log()
+    assert "checkpoint-6: it lies inside a generation window" in log, log[-3000:]  # back to a window boundary
+    assert "checkpoint-4 was saved by 2 ranks, this run has 1" in log, log[-3000:]
+    assert sorted(_losses(tmp_path / "run.jsonl")) == list(range(1, steps + 1))
+    order = GenerationOrder(len(PROMPTS), 4, 2, 1, seed=0)
+    got = _generations(tmp_path / "run-ledger.jsonl")
+    # 3 generations: one at world 2 (steps 1-4), two at world 1 (steps 5-12, 13-16); each prompt of
+    # a generation twice (num_generations), none in two generations of the epoch
+    assert got == [sorted(PROMPTS[i] for i in order.chunk(g) for _ in range(2)) for g in range(3)], got
