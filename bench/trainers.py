@@ -1,0 +1,93 @@
+"""The per-step cost of ftrt inside other trainers: each example script under torchrun without ftrt
+and under ``ftrt launch`` with ftrt's integration, 2 ranks on gloo, interleaved and repeated.
+
+- ``hf``: ``ftrt/examples/hf_trainer.py`` (a tiny Llama, the Hugging Face ``Trainer``) with
+  ``ftrt.integrations.hf.FtrtCallback`` (heartbeats; a committed manifest and fenced pointer for
+  every checkpoint);
+- ``trl``: ``ftrt/examples/trl_grpo.py`` (TRL's ``GRPOTrainer`` generating with a tiny Llama) with
+  ``ftrt.integrations.trl.FtrtCallback`` (the above, plus each rank's generation buffer);
+- ``lightning``: ``ftrt/examples/lightning_steps.py`` with ``ftrt.integrations.lightning``'s
+  checkpoint IO and callback.
+
+Both systems save alike, every ``--save-steps``, in the trainer's own format; the step time is the
+median gap between consecutive logged steps from step 5 on (start-up excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# trainer -> (example module, its save-interval option, the flags that leave ftrt out)
+TRAINERS = {
+    "hf": ("ftrt.examples.hf_trainer", "--save-steps", ["--no-ftrt"]),
+    "trl": ("ftrt.examples.trl_grpo", "--save-steps", ["--ftrt", "none"]),
+    "lightning": ("ftrt.examples.lightning_steps", "--save-every", ["--no-ftrt"]),
+}
+NEEDS = {"hf": "accelerate", "trl": "trl", "lightning": "pytorch_lightning"}
+
+
+def _run(trainer: str, system: str, save_steps: int, steps: int, work: Path) -> float:
+    module, save_flag, plain = TRAINERS[trainer]
+    out, metrics = work / f"{trainer}-{system}-out", work / f"{trainer}-{system}.jsonl"
+    shutil.rmtree(out, ignore_errors=True)
+    metrics.unlink(missing_ok=True)
+    script = ["-m", module, "--out", str(out), "--steps", str(steps), save_flag, str(save_steps),
+              "--metrics", str(metrics)]
+    if system == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script, *plain]
+    else:
+        cmd = [sys.executable, "-m", "ftrt.cli.main", "launch", "--standalone", "--nproc-per-node", "2", *script]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise RuntimeError(f"{trainer} under {system} failed: {res.stderr[-2000:]}")
+    times = [json.loads(x)["time"] for x in metrics.read_text().splitlines()]
+    gaps = [b - a for a, b in zip(times[4:], times[5:])]
+    return statistics.median(gaps)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench trainers", description=__doc__.splitlines()[0])
+    p.add_argument("--trainer", default="hf,trl,lightning", help="comma-separated, of hf, trl, lightning")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--save-steps", default="1,10", help="comma-separated save intervals (default 1,10)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    trainers = [t.strip() for t in args.trainer.split(",") if t.strip()]
+    unknown = [t for t in trainers if t not in TRAINERS]
+    if unknown:
+        p.error(f"--trainer {','.join(unknown)}: give some of {', '.join(TRAINERS)}")
+    res: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for trainer in trainers:
+            if importlib.util.find_spec(NEEDS[trainer]) is None:
+                print(f"{trainer}: skipped ({NEEDS[trainer]} is not installed)", flush=True)
+                continue
+            for save in [int(x) for x in args.save_steps.split(",")]:
+                rows = {"torchrun": [], "ftrt": []}
+                for r in range(args.reps):  # interleaved, the order flipped every repeat
+                    for system in (("torchrun", "ftrt") if r % 2 == 0 else ("ftrt", "torchrun")):
+                        rows[system].append(_run(trainer, system, save, args.steps, work))
+                ratios = [f / t for f, t in zip(rows["ftrt"], rows["torchrun"])]
+                res.setdefault(trainer, {})[f"save_every_{save}"] = {
+                    **rows, "ratios": ratios, "median_ratio": statistics.median(ratios)}
+                print(f"{trainer}, save every {save} step(s): torchrun "
+                      f"{statistics.median(rows['torchrun']) * 1000:.1f} ms/step, ftrt "
+                      f"{statistics.median(rows['ftrt']) * 1000:.1f} ms/step; pairs "
+                      f"{', '.join(f'{x:.3f}' for x in ratios)} (median {statistics.median(ratios):.3f})", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
