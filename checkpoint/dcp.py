@@ -1,0 +1,220 @@
+"""DCP storage classes with ftrt's commit: for code that calls ``dcp.save``/``dcp.load`` itself.
+
+A training loop written against ``torch.distributed.checkpoint`` (torchtitan-style) keeps its
+calls and swaps the storage::
+
+    from ftrt.checkpoint.dcp import FtrtStorageReader, FtrtStorageWriter
+
+    dcp.save(state, storage_writer=FtrtStorageWriter(url, step))
+    reader = FtrtStorageReader(url)          # the newest committed, verified step, or
+    if reader.step is not None:              # None when there is none yet
+        dcp.load(state, storage_reader=reader)
+
+The writer stores step ``step`` in ftrt's layout (``<url>/step-<N>/``, local paths, file://, s3://
+or memory://) through DCP's own file writer; when DCP finishes the save, the coordinator sums
+every file of the folder (CRC-32; SHA-256 and a signed manifest with the job's checkpoint key) and
+writes ``manifest.json`` last. Under ``ftrt launch`` it first checks that its round is still the
+job's and then moves the job's ``latest`` pointer in etcd, fenced by that round; a round that has
+moved on gets no checkpoint (the manifest is withdrawn) and the save raises on every rank.
+
+The reader picks the newest step whose manifest is valid, whose every file matches it and which is
+not newer than ``latest``: a folder killed between its data and its commit, or changed since, is
+passed over with a warning. DCP's ``.metadata`` is a pickle and its non-tensor values are
+``torch.save``d: nothing is read before its checksum matched. Each rank verifies the folder's files
+itself (a read of the whole checkpoint per rank; :class:`ftrt.checkpoint.Checkpointer` shares that
+work out over the ranks and adds the memory tier).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from torch.distributed.checkpoint import StorageReader, StorageWriter
+
+from ftrt.checkpoint import manifest as mf
+from ftrt.checkpoint.pointer import LatestPointer
+from ftrt.checkpoint.signing import CheckpointKey, load_key
+from ftrt.checkpoint.storage import (MANIFEST, Location, dcp_reader, dcp_writer, list_steps, parse_url, step_dir,
+                                     write_bytes)
+from ftrt.errors import CheckpointCorrupt, ConfigError, RoundChanged
+
+log = logging.getLogger(__name__)
+
+_UNSET: Any = object()
+_pointers: dict[str, LatestPointer | None] = {}  # one per root and process: a worker's round never changes
+
+
+def job_pointer(url: str) -> LatestPointer | None:
+    """The job's round-fenced ``latest`` pointer for ``url`` under ``ftrt launch`` (kept for the
+    process's later saves), else None."""
+    if url not in _pointers:
+        import ftrt
+        from ftrt import envnames
+        from ftrt.store.access import from_env
+
+        rt = ftrt.init()
+        endpoints = os.environ.get(envnames.ETCD, "")
+        _pointers[url] = (LatestPointer(endpoints, rt.job_id, rt.round, url, access=from_env())
+                          if rt.launched_by_ftrt and endpoints else None)
+    return _pointers[url]
+
+
+def _same_target(checkpoint_id: str | os.PathLike | None, loc: Location, folder: str) -> None:
+    if checkpoint_id is not None and str(checkpoint_id).rstrip("/") not in (loc.path(folder), loc.url_of(folder)):
+        raise ConfigError(f"checkpoint_id = {str(checkpoint_id)!r} does not name this storage's folder "
+                          f"{loc.url_of(folder)!r}: leave checkpoint_id out when passing ftrt's storage classes.")
+
+
+class FtrtStorageWriter(StorageWriter):
+    """DCP's writer for ``url``'s step ``step``, committed by ftrt (module docstring).
+
+    Args:
+        url: the checkpoint root (path, file://, s3://, memory://).
+        step: the step this save is.
+        storage_options: fsspec options (e.g. an S3 endpoint).
+        key: the job's checkpoint key (default: the launcher's, or ``$FTRT_CHECKPOINT_KEY``).
+        pointer: the job's ``latest`` pointer (default: the job's under ``ftrt launch``, else none).
+        thread_count: DCP's writer threads per rank.
+    """
+
+    def __init__(self, url: str, step: int, *, storage_options: dict | None = None,
+                 key: CheckpointKey | None = _UNSET, pointer: LatestPointer | None = _UNSET,
+                 thread_count: int = 2) -> None:
+        if not isinstance(step, int) or step < 0:
+            raise ConfigError(f"FtrtStorageWriter step = {step!r}: give the training step, a whole number >= 0.")
+        self.loc = parse_url(url, storage_options)
+        self.step = step
+        self.folder = step_dir(step)
+        self.key = load_key() if key is _UNSET else key
+        self.pointer = job_pointer(url) if pointer is _UNSET else pointer
+        self._inner = dcp_writer(self.loc, self.folder, thread_count)
+        self._coordinator = False
+        self.committed_bytes: int | None = None
+        """Bytes committed by the last save (on the coordinator), else None."""
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        _same_target(checkpoint_id, self.loc, self.folder)
+        self._inner.reset(None)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._coordinator = is_coordinator
+        self._inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    def prepare_local_plan(self, plan):
+        return self._inner.prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans):
+        return self._inner.prepare_global_plan(plans)
+
+    def write_data(self, plan, planner):
+        return self._inner.write_data(plan, planner)
+
+    def storage_meta(self):
+        return self._inner.storage_meta()
+
+    def finish(self, metadata, results) -> None:
+        """DCP's finish (``.metadata``), then ftrt's commit (module docstring); coordinator only."""
+        if self.pointer is not None:
+            self.pointer.check_round()  # a stale round writes no manifest at all
+        self._inner.finish(metadata, results)
+        checksum = "sha256" if self.key is not None else "crc32"
+        root = self.loc.path(self.folder)
+        files = {}
+        for path in sorted(self.loc.fs.find(root)):
+            rel = path[len(root):].lstrip("/")
+            if rel != MANIFEST and ".tmp" not in rel:
+                files[rel] = mf.checksum_file(self.loc, path, checksum)
+        world = len(results)
+        manifest = mf.Manifest(step=self.step, world_size=world, files=files, checksum=checksum,
+                               round=self.pointer.round_no if self.pointer is not None else 0, time=time.time(),
+                               extra={"writer": "ftrt.checkpoint.dcp"})
+        if self.key is not None:
+            manifest = manifest.signed(self.key)
+        path = self.loc.path(self.folder, MANIFEST)
+        write_bytes(self.loc, path, manifest.to_json())
+        if self.pointer is not None:
+            try:
+                self.pointer.commit(self.step)
+            except RoundChanged:
+                self.loc.fs.rm(path)  # a stale round's checkpoint must not exist
+                raise
+        self.committed_bytes = manifest.total_bytes
+        log.info("committed step %d at %s (%d files, %d bytes)", self.step, self.loc.url_of(self.folder),
+                 len(files), self.committed_bytes)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False  # chosen by passing an instance, never by DCP from an id
+
+
+class FtrtStorageReader(StorageReader):
+    """DCP's reader for ``url``'s newest committed, verified step, or ``step`` (module docstring).
+
+    ``step`` is None when the root holds no usable checkpoint; loading then raises.
+
+    Args:
+        url: the checkpoint root.
+        step: the step to read (verified like any other), or None for the newest usable one.
+        storage_options: fsspec options.
+        key: the job's checkpoint key (default: the launcher's, or ``$FTRT_CHECKPOINT_KEY``).
+        latest: the newest step the job trusts (default: the job's pointer under ``ftrt launch``).
+    """
+
+    def __init__(self, url: str, step: int | None = None, *, storage_options: dict | None = None,
+                 key: CheckpointKey | None = _UNSET, latest: int | None = _UNSET) -> None:
+        self.loc = parse_url(url, storage_options)
+        self.key = load_key() if key is _UNSET else key
+        if latest is _UNSET:
+            pointer = job_pointer(url)
+            latest = pointer.latest() if pointer is not None else None
+        self.step = self._choose(latest) if step is None else self._verified(step)
+        self._inner = dcp_reader(self.loc, step_dir(self.step)) if self.step is not None else None
+
+    def _verified(self, step: int) -> int:
+        mf.verify_step(self.loc, step_dir(step), self.key)
+        return step
+
+    def _choose(self, latest: int | None) -> int | None:
+        for step in reversed(list_steps(self.loc)):
+            if latest is not None and step > latest:
+                log.warning("not reading %s: newer than the job's latest committed checkpoint (%d)",
+                            step_dir(step), latest)
+                continue
+            try:
+                return self._verified(step)
+            except CheckpointCorrupt as exc:
+                log.warning("not reading %s: %s", step_dir(step), exc)
+        return None
+
+    def _reader(self):
+        if self._inner is None:
+            raise CheckpointCorrupt(f"{self.loc.url_of('')} holds no committed checkpoint that verifies: there is "
+                                    "nothing to load (check FtrtStorageReader.step before dcp.load).")
+        return self._inner
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        reader = self._reader()
+        _same_target(checkpoint_id, self.loc, step_dir(self.step))
+        reader.reset(None)
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        return self._reader().read_metadata(*args, **kwargs)  # verified with every file in __init__
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._reader().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def prepare_local_plan(self, plan):
+        return self._reader().prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans):
+        return self._reader().prepare_global_plan(plans)
+
+    def read_data(self, plan, planner):
+        return self._reader().read_data(plan, planner)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
