@@ -4,6 +4,12 @@ A tiny random-init Llama and a character tokenizer are made here and saved local
 downloaded); the data are fixed pseudo-random token sequences. The script adds two lines to a
 plain Trainer script: ``callbacks=[FtrtCallback()]`` and ``resume_from_checkpoint=
 resume_checkpoint(out)``. Rank 0 appends ``{"step", "loss"}`` per logged step to ``--metrics``.
+
+``--elastic`` trains the data in :class:`ftrt.data.ElasticSampler`'s order (``ElasticTrainer``,
+``--global-batch`` samples a step), which survives a world-size change without skipping or
+repeating a sample. ``--ledger PATH``: every rank appends, per optimizer step, the ids of the
+samples it trained (``{"step", "round", "rank", "world", "ids"}``), read from the batches the
+model was fed.
 """
 
 from __future__ import annotations
@@ -12,12 +18,12 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from ftrt.integrations.hf import FtrtCallback, resume_checkpoint
+import ftrt
+from ftrt.integrations.hf import ElasticTrainer, FtrtCallback, resume_checkpoint
 
 VOCAB = 32
 
@@ -25,15 +31,47 @@ VOCAB = 32
 class Sequences(torch.utils.data.Dataset):
     """``n`` fixed token sequences of length ``length`` (language-model labels = inputs)."""
 
-    def __init__(self, n: int, length: int, seed: int = 0) -> None:
+    def __init__(self, n: int, length: int, seed: int = 0, with_ids: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.data = torch.randint(3, VOCAB, (n, length), generator=g)
+        self.with_ids = with_ids
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.data[i], "labels": self.data[i]}
+        row = {"input_ids": self.data[i], "labels": self.data[i]}
+        return {**row, "idx": i} if self.with_ids else row
+
+
+class Ledger(TrainerCallback):
+    """Appends this rank's trained sample ids once per optimizer step (``--ledger``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.ids = path, []
+        self.rt = ftrt.init()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        line = {"step": state.global_step, "round": self.rt.round, "rank": args.process_index,
+                "world": args.world_size, "ids": self.ids}
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(line) + "\n").encode())  # one write: whole lines from every rank
+        finally:
+            os.close(fd)
+        self.ids = []
+        return control
+
+
+def with_ledger(base: type[Trainer], ledger: Ledger) -> type[Trainer]:
+    """``base`` taking each micro-batch's sample ids out before the model sees them, into ``ledger``."""
+
+    class LedgerTrainer(base):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            ledger.ids.extend(inputs.pop("idx").tolist())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    return LedgerTrainer
 
 
 class LossLog(TrainerCallback):
@@ -55,7 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--save-steps", type=int, default=1)
     p.add_argument("--metrics", default=None, help="rank 0 appends one JSON line per logged step here")
     p.add_argument("--no-ftrt", action="store_true", help="the plain Trainer script, without ftrt's two lines "
-                   "(the baseline of python -m bench hf_callback)")
+                   "(the baseline of python -m bench trainers)")
+    p.add_argument("--elastic", action="store_true", help="ElasticSampler's data order (ElasticTrainer)")
+    p.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step with --elastic")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--ledger", default=None, help="every rank appends the sample ids it trained, per step")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, intermediate_size=128,
@@ -66,9 +108,15 @@ def main(argv: list[str] | None = None) -> None:
                               learning_rate=1e-3, logging_steps=1, save_steps=args.save_steps, seed=0,
                               use_cpu=True, report_to=[], dataloader_num_workers=0,
                               ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
-                              disable_tqdm=True)
-    extra = [] if args.no_ftrt else [FtrtCallback()]
-    trainer = Trainer(model=model, args=targs, train_dataset=Sequences(64, 16), callbacks=[*extra, LossLog(args.metrics)])
+                              disable_tqdm=True, gradient_accumulation_steps=args.grad_accum,
+                              remove_unused_columns=not args.ledger)  # the ids reach training_step
+    callbacks = [] if args.no_ftrt else [FtrtCallback()]
+    cls, extra = (ElasticTrainer, {"global_batch": args.global_batch}) if args.elastic else (Trainer, {})
+    if args.ledger:
+        ledger = Ledger(args.ledger)
+        cls, callbacks = with_ledger(cls, ledger), [*callbacks, ledger]
+    trainer = cls(model=model, args=targs, train_dataset=Sequences(64, 16, with_ids=bool(args.ledger)),
+                  callbacks=[*callbacks, LossLog(args.metrics)], **extra)
     trainer.train(resume_from_checkpoint=None if args.no_ftrt else resume_checkpoint(args.out))
 
 

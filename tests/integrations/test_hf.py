@@ -1,5 +1,7 @@
 """The Hugging Face Trainer under ftrt (``ftrt.integrations.hf``): a real Trainer, 2 ranks on gloo,
-real agents on a real etcd, a real SIGKILL; losses compared bit for bit with the uninterrupted run."""
+real agents on a real etcd, a real SIGKILL; losses compared bit for bit with the uninterrupted run.
+A lost node with ``ElasticTrainer``: every global batch trained exactly once, proved by the ledger of
+sample ids each rank fed its model; the plain Trainer after a world-size change repeats samples."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tests.agents.harness import FAST_WARM, Node, wait_until  # noqa: E402
 pytestmark = pytest.mark.slow
 
 STEPS = 12
+ELASTIC = ("--elastic", "--global-batch", "6", "--grad-accum", "2")  # 10 steps an epoch: runs cross one
 
 
 def _losses(path: Path) -> dict[int, tuple[float, float]]:
@@ -34,10 +37,46 @@ def _losses(path: Path) -> dict[int, tuple[float, float]]:
     return out
 
 
-def _job(tmp: Path, name: str, etcd: str, job_id: str) -> list[str]:
-    return ["--etcd", etcd, "--job-id", job_id, "--nnodes", "1", "--nproc-per-node", "2", "--lease-ttl", "2",
-            "--first-round-wait", "1", *FAST_WARM, "-m", "ftrt.examples.hf_trainer", "--out", str(tmp / f"{name}-out"),
-            "--steps", str(STEPS), "--metrics", str(tmp / f"{name}.jsonl")]
+def _ledger(path: Path) -> dict[int, list[dict]]:
+    """Step -> the ``--ledger`` lines of its last attempt (highest round), one per rank, by rank."""
+    attempts: dict[int, dict[int, list[dict]]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            attempts.setdefault(row["step"], {}).setdefault(row["round"], []).append(row)
+    return {step: sorted(by_round[max(by_round)], key=lambda r: r["rank"]) for step, by_round in attempts.items()}
+
+
+def _trained(path: Path) -> dict[int, list[int]]:
+    """Step -> the sample ids its last attempt trained, over all ranks (checked: every rank wrote)."""
+    out = {}
+    for step, rows in _ledger(path).items():
+        assert [r["rank"] for r in rows] == list(range(rows[0]["world"])), f"step {step}: ranks missing in {rows}"
+        out[step] = [i for r in rows for i in r["ids"]]
+    return out
+
+
+def _job(tmp: Path, name: str, etcd: str, job_id: str, nnodes: str = "1", nproc: int = 2,
+         extra: tuple[str, ...] = ()) -> list[str]:
+    return ["--etcd", etcd, "--job-id", job_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--lease-ttl",
+            "2", "--first-round-wait", "1", *FAST_WARM, "-m", "ftrt.examples.hf_trainer", "--out",
+            str(tmp / f"{name}-out"), "--steps", str(STEPS), "--metrics", str(tmp / f"{name}.jsonl"),
+            "--ledger", str(tmp / f"{name}-ledger.jsonl"), *extra]
+
+
+def _example(*args: str) -> None:
+    """The example as a plain script: one process, a world of one."""
+    res = subprocess.run([sys.executable, "-m", "ftrt.examples.hf_trainer", *args], capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def _keep_checkpoints_up_to(out: Path, copy: Path, step: int) -> None:
+    """``copy``: ``out`` as if the run had been killed after committing ``step``."""
+    shutil.copytree(out, copy)
+    for folder in copy.glob("checkpoint-*"):
+        if int(folder.name.split("-")[1]) > step:
+            shutil.rmtree(folder)
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +89,11 @@ def reference(tmp_path_factory, etcd_server):
         node.cleanup()
     got = _losses(tmp / "ref.jsonl")
     assert sorted(got) == list(range(1, STEPS + 1))
-    return got, tmp / "ref-out"
+    return got, tmp / "ref-out", _trained(tmp / "ref-ledger.jsonl")
 
 
 def test_a_killed_worker_resumes_the_trainer_with_bit_identical_losses(tmp_path, reference, etcd_endpoint, job_id):
-    ref, _ = reference
+    ref, _, _ = reference
     node = Node(tmp_path, "a", _job(tmp_path, "run", etcd_endpoint, job_id)).start()
     try:
         wait_until(lambda: len(_losses(tmp_path / "run.jsonl")) >= 6, 180, "step 6")
@@ -69,7 +108,7 @@ def test_a_killed_worker_resumes_the_trainer_with_bit_identical_losses(tmp_path,
 def test_resume_skips_a_checkpoint_whose_commit_never_happened_or_whose_file_changed(tmp_path, reference):
     from ftrt.integrations.hf import resume_checkpoint
 
-    _, out = reference
+    _, out, _ = reference
     copy = tmp_path / "out"
     shutil.copytree(out, copy)
     assert resume_checkpoint(str(copy)) == str(copy / f"checkpoint-{STEPS}")
@@ -86,3 +125,65 @@ def test_the_example_runs_alone_without_ftrt_launch(tmp_path):
                          timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(_losses(tmp_path / "m.jsonl")) == [1, 2, 3]
+
+
+def test_a_lost_node_shrinks_the_elastic_trainer_which_trains_every_global_batch_exactly_once(tmp_path, etcd_endpoint,
+                                                                                              job_id):
+    from ftrt.data import ElasticSampler
+
+    args = _job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, ELASTIC)
+    ledger = tmp_path / "run-ledger.jsonl"
+    nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
+    try:
+        wait_until(lambda: sum(rows[0]["world"] == 2 for rows in _ledger(ledger).values()) >= 5, 180,
+                   "5 steps at world size 2")
+        nodes["b"].kill()
+        assert nodes["a"].wait(240) == 0, nodes["a"].log()[-3000:]
+    finally:
+        for n in nodes.values():
+            n.cleanup()
+    last = _ledger(ledger)
+    worlds = [last[step][0]["world"] for step in sorted(last)]
+    assert worlds[0] == 2 and worlds[-1] == 1 and worlds == sorted(worlds, reverse=True), worlds
+    order = ElasticSampler(64, 6, seed=0)  # the example's data order: 64 samples, --global-batch 6, seed 0
+    per_epoch = order.epoch_samples // order.global_batch
+    want = {}
+    for step in range(1, STEPS + 1):
+        epoch, k = divmod(step - 1, per_epoch)
+        want[step] = order.ledger(epoch, k * order.global_batch)
+    assert _trained(ledger) == want, "a sample was skipped or repeated"
+    assert "not bit-identical" in nodes["a"].log()  # the world-size change is announced
+
+
+def test_without_the_elastic_sampler_a_world_size_change_repeats_samples(tmp_path, reference):
+    _, out, trained = reference  # the plain Trainer on 2 ranks
+    copy = tmp_path / "out"
+    _keep_checkpoints_up_to(out, copy, 5)
+    _example("--out", str(copy), "--steps", str(STEPS), "--ledger", str(tmp_path / "ledger.jsonl"))  # on 1 rank
+    resumed = _trained(tmp_path / "ledger.jsonl")
+    assert sorted(resumed) == list(range(6, STEPS + 1))
+    uninterrupted = [i for step in range(1, STEPS + 1) for i in trained[step]]
+    assert len(uninterrupted) <= 64 and len(set(uninterrupted)) == len(uninterrupted)  # one epoch: all new
+    ids = [i for step in range(1, 6) for i in trained[step]] + [i for step in resumed for i in resumed[step]]
+    assert len(set(ids)) < len(ids), "the plain Trainer was expected to repeat samples after the change"
+
+
+def test_the_elastic_trainer_refuses_a_checkpoint_without_its_data_position(tmp_path, reference):
+    _, out, _ = reference  # written by the plain Trainer: where its data stood is unknown
+    _keep_checkpoints_up_to(out, tmp_path / "out", STEPS)
+    res = subprocess.run([sys.executable, "-m", "ftrt.examples.hf_trainer", "--out", str(tmp_path / "out"), "--steps",
+                          str(STEPS + 1), "--elastic"], capture_output=True, text=True, timeout=240)
+    assert res.returncode != 0 and f"checkpoint-{STEPS} has no ftrt_sampler.json" in res.stderr, res.stderr[-3000:]
+
+
+def test_the_elastic_trainer_resumes_at_the_same_world_size_bit_identically(tmp_path):
+    elastic = ("--elastic", "--global-batch", "16", "--grad-accum", "2", "--steps", "6")  # 4 steps an epoch
+    _example("--out", str(tmp_path / "ref"), "--metrics", str(tmp_path / "ref.jsonl"),
+             "--ledger", str(tmp_path / "ref-ledger.jsonl"), *elastic)
+    _keep_checkpoints_up_to(tmp_path / "ref", tmp_path / "run", 3)  # resumed mid-epoch, then across its end
+    _example("--out", str(tmp_path / "run"), "--metrics", str(tmp_path / "run.jsonl"),
+             "--ledger", str(tmp_path / "run-ledger.jsonl"), *elastic)
+    ref, run = _losses(tmp_path / "ref.jsonl"), _losses(tmp_path / "run.jsonl")
+    assert sorted(run) == [4, 5, 6] and run == {step: ref[step] for step in run}
+    ref_ids = _trained(tmp_path / "ref-ledger.jsonl")
+    assert _trained(tmp_path / "run-ledger.jsonl") == {step: ref_ids[step] for step in (4, 5, 6)}
