@@ -99,6 +99,16 @@ class NodeState:
     """The round this node's workers run in (0 before the first)."""
 
 
+@dataclass
+class Drain:
+    """A drain in progress: why, and until when it may take (the agent's monotonic clock)."""
+
+    reason: str
+    started: float
+    deadline: float
+    below_min_said: bool = False
+
+
 class _Prefix(logging.LoggerAdapter):
     def process(self, msg, kwargs):
         node: NodeState = self.extra["node"]
@@ -106,19 +116,30 @@ class _Prefix(logging.LoggerAdapter):
 
 
 class StopSignal:
-    """The first SIGINT or SIGTERM, caught from before the agent is assembled until everything it
-    built is closed (a second one is ignored, so cleanup is not cut short)."""
+    """SIGINT and SIGTERM, caught from before the agent is assembled until everything it built is
+    closed. With ``drain``, the first SIGTERM asks the agent to drain (leave gracefully,
+    :meth:`Agent._begin_drain`); SIGINT, or a SIGTERM after that, stops it at once. Once stopping,
+    further signals are ignored, so cleanup is not cut short."""
 
-    def __init__(self) -> None:
+    def __init__(self, drain: bool = False) -> None:
         self.signum: int | None = None
+        """The signal that stops the agent at once, or None."""
+        self.drain_asked = False
+        """A SIGTERM asked for a drain."""
+        self._drain = drain
         self._listeners: list = []
 
     def catch(self, signum: int) -> None:
-        if self.signum is None:
+        if self.signum is not None:
+            return
+        if signum == signal.SIGTERM and self._drain and not self.drain_asked:
+            self.drain_asked = True
+            log.info("received SIGTERM; draining (a second SIGTERM stops at once)")
+        else:
             self.signum = signum
             log.info("received %s; stopping", signal.Signals(signum).name)
-            for listener in self._listeners:
-                listener()
+        for listener in self._listeners:
+            listener()
 
     def on_stop(self, listener) -> None:
         self._listeners.append(listener)
@@ -361,6 +382,8 @@ class Agent:
         self._worker_record: LocalRound | None = None  # the round this node's workers run in
         self._finished_at = 0.0
         self._background: set[asyncio.Task] = set()
+        self._notice: str | None = None  # a preemption notice (agents/preemption.py)
+        self._drain: Drain | None = None
 
     @property
     def state(self) -> AgentState:
@@ -398,6 +421,11 @@ class Agent:
     # -- entry ----------------------------------------------------------------------------------
     async def run(self) -> int:
         self.stop.on_stop(self.inbox.poke)
+        if self.cfg.preemption_file or self.cfg.preemption_url:
+            from ftrt.agents import preemption
+
+            self._spawn(preemption.watch(self.cfg.preemption_file, self.cfg.preemption_url, self.cfg.preemption_poll,
+                                         self._on_notice))
         try:
             await self._join()
             await self.rdzv.start()
@@ -443,6 +471,8 @@ class Agent:
             job = self.rdzv.view.job
             if job is not None:
                 return await self._finish_job(job.state, job.reason)
+            if self._drain is None and (why := self._drain_reason()) is not None:
+                await self._begin_drain(why)
             await self._handle_exits()
             if (hang := self._find_hang()) is not None:
                 await self._fail_round("hang", hang)
@@ -453,6 +483,11 @@ class Agent:
                     return 0
                 continue
             await self._reconcile()
+            if self._drain is not None:
+                code = await self._continue_drain()
+                if code is not None:
+                    return code
+                continue  # the old round's peers keep this node's replicas until it has left
             self._update_peers()
 
     async def _finish_job(self, state: str, reason: str) -> int:
@@ -543,6 +578,72 @@ class Agent:
         except StoreError as exc:
             self.log.warning("could not request a restart: %s", exc)
 
+    # -- draining -------------------------------------------------------------------------------
+    def _on_notice(self, why: str) -> None:
+        self._notice = why
+        self.inbox.poke()
+
+    def _drain_reason(self) -> str | None:
+        """Why this node should drain now (SIGTERM, a preemption notice, ``ftrt drain``), or None."""
+        if self.stop.drain_asked:
+            return "SIGTERM"
+        if self._notice is not None:
+            return f"preemption notice: {self._notice}"
+        req = self.rdzv.jobview.drain
+        record = self.membership.record
+        if req is not None and record is not None and req.incarnation == record.incarnation:
+            return f"ftrt drain{': ' + req.reason if req.reason else ''}"
+        return None
+
+    async def _begin_drain(self, why: str) -> None:
+        """Leave gracefully: tell the workers, and ask for a round without this node (a planned
+        change: every rank ends the round at a step boundary and saves it)."""
+        now = time.monotonic()
+        self._drain = Drain(why, now, now + self.cfg.drain_timeout)
+        self.log.warning("draining (%s): asking for a round without this node; leaving within %g s (--drain-timeout)",
+                         why, self.cfg.drain_timeout)
+        self._events.emit("drain_started", f"{self.cfg.node_id} drains: {why}", reason=why,
+                          timeout=self.cfg.drain_timeout)
+        self._round_end.drain()
+        await self.membership.update(leaving=True)
+
+    def _included(self, rnd: LocalRound | None) -> bool:
+        me = rnd.member(self.cfg.node_id) if rnd is not None else None
+        record = self.membership.record
+        return bool(rnd is not None and rnd.active and me is not None and record is not None
+                    and me.incarnation == record.incarnation)
+
+    async def _continue_drain(self) -> int | None:
+        """One pass of a drain: the exit code once this node has left, else None (keep going)."""
+        drain = self._drain
+        now = time.monotonic()
+        if now >= drain.deadline:
+            self.log.warning("the drain did not finish within %g s (--drain-timeout); leaving as a crash would",
+                             self.cfg.drain_timeout)
+            self._events.emit("drain_timeout", f"{self.cfg.node_id} left without finishing its drain ({drain.reason})",
+                              reason=drain.reason)
+            self._set_state(AgentState.STOPPED)
+            return 128 + signal.SIGTERM
+        record = self.membership.record
+        if record is not None and not record.leaving:
+            await self.membership.update(leaving=True)  # the first write failed: etcd was away
+        rnd = self.rdzv.view.round
+        if self._included(rnd) or self.pool.running:
+            return None  # the decider has not written the round without this node yet
+        if rnd is not None and not rnd.active and not drain.below_min_said:
+            drain.below_min_said = True
+            self.log.warning("without this node the job is below its minimum of %d nodes: it waits for a newcomer "
+                             "(--join-timeout %g s)", self.cfg.min_nodes, self.cfg.join_timeout)
+        kept = await self.replicator.flush(max(0.0, drain.deadline - time.monotonic()))
+        if kept is False:
+            self.log.warning("a sharded rank's newest memory checkpoint may not have reached a peer before the "
+                             "drain's deadline; the job restores it from storage if it must")
+        self.log.info("drained in %.2f s (%s); leaving", time.monotonic() - drain.started, drain.reason)
+        self._events.emit("drained", f"{self.cfg.node_id} left the job gracefully ({drain.reason})",
+                          reason=drain.reason, seconds=round(time.monotonic() - drain.started, 3))
+        self._set_state(AgentState.STOPPED)
+        return 0
+
     async def _reconcile(self) -> None:
         """Make this node's workers match the current round."""
         rnd = self.rdzv.view.round
@@ -552,8 +653,10 @@ class Agent:
         included = rnd.active and me is not None and me.incarnation == self.membership.record.incarnation
         if not included:
             if self.pool.running:
+                if self._worker_record is not None:
+                    await self._end_at_boundary(self._worker_record, rnd)
                 await self.pool.stop_running(self.cfg.restart_grace)
-                self.log.info("round %d does not include this node; workers stopped", rnd.round)
+                self.log.info("round %d does not include this node (%s); workers stopped", rnd.round, rnd.reason)
                 self._events.emit("workers_stopped", f"round {rnd.round} does not include {self.cfg.node_id}",
                                   round=rnd.round)
             self.worker_round = rnd.round
@@ -569,6 +672,8 @@ class Agent:
             return
         intervals = [w.step_interval for w in polling if w.step_interval is not None]
         timeout = boundary_timeout(max(intervals) if intervals else None)
+        if self._drain is not None:
+            timeout = max(0.0, min(timeout, self._drain.deadline - time.monotonic()))
         t0 = time.monotonic()
         self._round_end.request(old.round)
         if await self.pool.wait_exited(polling, timeout):
@@ -696,7 +801,7 @@ class Agent:
 async def main(cfg: LaunchConfig, early: EarlyStart | None = None, store: Store | None = None) -> int:
     """Assemble an agent, serve its gRPC service, run it and close everything it built."""
     loop = asyncio.get_running_loop()
-    stop = StopSignal()
+    stop = StopSignal(drain=cfg.drain_timeout > 0)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.catch, sig)
     try:

@@ -1,6 +1,6 @@
 """Ending a round at a step boundary: the agent asks, its workers save their step and stop.
 
-When the membership changes without a fault (a node joins), the running workers' state is
+When the membership changes without a fault (a node joins or drains), the running workers' state is
 intact. Killing them mid-step, as a fault forces, would throw away the step in progress and every
 step since the last memory checkpoint, which with an ``auto`` cadence can be many. Instead:
 
@@ -15,6 +15,9 @@ step since the last memory checkpoint, which with an ``auto`` cadence can be man
 
 Only a planned change (:func:`planned_change`) ends a round this way: after a fault the old round's
 collectives cannot complete, so its workers are stopped at once.
+
+The same file tells a draining node's workers that their node is leaving (:meth:`ftrt.Runtime.draining`),
+before the round without it is written: a script can get ready, e.g. finish an asynchronous save.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from ftrt.roster import LocalRound
 ENV = envnames.ROUND_END_FILE
 """Environment variable with the round-end file's path, set for every worker of an agent."""
 
-_FMT = "<qq"  # the highest round asked to end, generation
+_FMT = "<qqq"  # the highest round asked to end, draining (0/1), generation
 
 
 class RoundEndWriter:
@@ -35,11 +38,19 @@ class RoundEndWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._record = MappedWriter(path, _FMT, 0)
+        self._round = 0
+        self._draining = 0
+        self._record = MappedWriter(path, _FMT, 0, 0)
 
     def request(self, round_no: int) -> None:
         """Ask the workers of ``round_no`` (and older) to stop at their next step boundary."""
-        self._record.write(round_no)
+        self._round = max(self._round, round_no)
+        self._record.write(self._round, self._draining)
+
+    def drain(self) -> None:
+        """Tell the workers that this node is leaving the job."""
+        self._draining = 1
+        self._record.write(self._round, self._draining)
 
     def close(self) -> None:
         self._record.close()
@@ -52,16 +63,20 @@ class RoundEndReader:
         self._record = MappedReader(path, _FMT)
 
     def ending(self, round_no: int) -> bool:
-        requested, _ = self._record.read()
+        requested, _, _ = self._record.read()
         return requested >= round_no > 0
+
+    def draining(self) -> bool:
+        return self._record.read()[1] == 1
 
 
 def planned_change(old: LocalRound | RoundRecord, new: LocalRound | RoundRecord) -> bool:
-    """True when ``new`` replaces ``old`` without a fault: a node joined. The decider counts a
-    fault for every round that drops a member of the one before (lost, back with a new
-    incarnation, or a worker failure), so no fault counted in between means every member of
-    ``old`` is still in ``new``; an agent need not know every member to tell."""
-    return new.active and new.faults == old.faults and new.node_count >= old.node_count
+    """True when ``new`` replaces ``old`` without a fault: a node joined or drained (``new`` may be
+    inactive, a drain below the minimum). The decider counts a fault for every round that drops a
+    member of the one before (lost, back with a new incarnation, or a worker failure) but a
+    drained one, so no fault counted in between means every member of ``old`` is in ``new`` or
+    left on purpose; an agent need not know every member to tell."""
+    return new.faults == old.faults
 
 
 BOUNDARY_WAIT_MIN = 2.0

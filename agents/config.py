@@ -139,6 +139,22 @@ class LaunchConfig(BaseModel):
     event_log: Optional[str] = Field(
         None, description="Append this node's events to this file, one JSON line each (time, node, round, kind).",
     )
+    drain_timeout: float = Field(
+        DEFAULTS["drain_timeout"], ge=0,
+        description="Seconds a draining node (SIGTERM, a preemption notice, ftrt drain) has to leave gracefully: "
+        "the job ends the round at a step boundary without it and its state is handed over; past this it "
+        "leaves as a crash would. 0: SIGTERM stops at once.",
+    )
+    preemption_file: Optional[str] = Field(
+        None, description="Start a drain when this file appears (e.g. written by a node-termination handler).",
+    )
+    preemption_url: Optional[str] = Field(
+        None, description="Poll this URL (e.g. a cloud's metadata endpoint) and start a drain when it answers "
+        "200 with a body other than empty, FALSE or 0.",
+    )
+    preemption_poll: float = Field(
+        DEFAULTS["preemption_poll"], gt=0, description="Seconds between two looks at --preemption-file/--preemption-url.",
+    )
     peer_check_interval: float = Field(
         5.0, gt=0, description="Seconds between liveness beats on the streams to peer agents. A dead "
         "peer is seen when its stream's connection closes, not from missing beats; the beats only keep "
@@ -149,6 +165,13 @@ class LaunchConfig(BaseModel):
     @classmethod
     def _job_id(cls, v: str) -> str:
         return check_id("job id", v)
+
+    @field_validator("preemption_url")
+    @classmethod
+    def _preemption_url(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("give an http:// or https:// URL")
+        return v
 
     @field_validator("checkpoint_key_file")
     @classmethod

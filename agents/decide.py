@@ -17,9 +17,13 @@ Rules, in order:
    the next round with the survivors in their old order, plus ready newcomers up to ``max_nodes``.
    A failure without a lost member counts against ``max_restarts``; a lost member explains the
    failures it causes and costs nothing.
-5. Fewer than ``min_nodes`` survivors: the round is written inactive (workers stop) and the job
-   waits, up to ``join_timeout_s``, then fails.
-6. Ready newcomers while the round is below ``max_nodes``: after ``join_settle_s`` (so nodes that
+5. A member draining (its record says ``leaving``; SIGTERM, a preemption notice or ``ftrt
+   drain``): after ``settle_s``, write the next round without it, plus ready newcomers. This is a
+   planned change, not a fault: no fault or restart is counted, so the old round's workers end
+   at a step boundary and save it (:mod:`ftrt.agents.boundary`).
+6. Fewer than ``min_nodes`` survivors (after a loss or a drain): the round is written inactive
+   (workers stop) and the job waits, up to ``join_timeout_s``, then fails.
+7. Ready newcomers while the round is below ``max_nodes``: after ``join_settle_s`` (so nodes that
    start together join together), write a round that admits them.
 
 The decider stores a round group by group (:mod:`ftrt.roster`): members keep the relative order
@@ -95,13 +99,19 @@ def _as_member(node: NodeRecord) -> Member:
     return Member(node.node_id, node.incarnation, node.nproc, agent_addr=node.agent_addr, lease=node.lease)
 
 
+def _staying(view: View, m: Member) -> bool:
+    """A member that is alive, not finished and not draining."""
+    node = view.nodes.get(m.node_id)
+    return node is not None and node.incarnation == m.incarnation and not node.done_round and not node.leaving
+
+
 def _candidates(view: View) -> list[NodeRecord]:
-    """Ready nodes that are not (the same incarnation of) a member of the current round."""
+    """Ready nodes, not draining, that are not (the same incarnation of) a member of the current round."""
     current = {(m.node_id, m.incarnation) for m in view.round.members} if view.round else set()
     pool = [
         n
         for n in view.nodes.values()
-        if n.ready and not n.done_round and (n.node_id, n.incarnation) not in current
+        if n.ready and not n.done_round and not n.leaving and (n.node_id, n.incarnation) not in current
     ]
     return sorted(pool, key=lambda n: (n.revision, n.node_id))
 
@@ -155,9 +165,7 @@ def decide_round(now: float, view: View, cfg: RendezvousConfig) -> Decision:
             return Decision(
                 Action.WAIT, "settling after a membership change", wake_at=view.changed_at + cfg.settle_s
             )
-        survivors = [
-            m for m in cur.members if _alive(view, m) and not view.nodes[m.node_id].done_round
-        ]
+        survivors = [m for m in cur.members if _staying(view, m)]
         room = max(0, cfg.max_nodes - len(survivors))
         members = survivors + [_as_member(n) for n in candidates[:room]]
         restart_count = cur.restart_count
@@ -178,8 +186,21 @@ def decide_round(now: float, view: View, cfg: RendezvousConfig) -> Decision:
             new = replace(new, reason=f"{reason}; {len(members)} of at least {cfg.min_nodes} nodes left, waiting")
         return Decision(Action.WRITE_ROUND, new.reason, round=new)
 
+    leaving = [m for m in cur.members if _alive(view, m) and view.nodes[m.node_id].leaving]
+    if cur.active and leaving:
+        if now < view.changed_at + cfg.settle_s:
+            return Decision(Action.WAIT, "settling after a membership change", wake_at=view.changed_at + cfg.settle_s)
+        staying = [m for m in cur.members if _staying(view, m)]
+        room = max(0, cfg.max_nodes - len(staying))
+        members = staying + [_as_member(n) for n in candidates[:room]]
+        new = _next_round(cur, members, cfg, f"drained {_names(leaving)}", cur.restart_count)
+        if not new.active:
+            new = replace(new, reason=f"{new.reason}; {len(members)} of at least {cfg.min_nodes} nodes left, "
+                                      "waiting for a newcomer")
+        return Decision(Action.WRITE_ROUND, new.reason, round=new)
+
     if not cur.active:
-        pool = [m for m in cur.members if _alive(view, m)] + [_as_member(n) for n in candidates]
+        pool = [m for m in cur.members if _staying(view, m)] + [_as_member(n) for n in candidates]
         if len(pool) >= cfg.min_nodes:
             ready_at = _join_ready_at(view, candidates, cfg)
             if now < ready_at and len(pool) < cfg.max_nodes:
@@ -187,7 +208,7 @@ def decide_round(now: float, view: View, cfg: RendezvousConfig) -> Decision:
             members = pool[: cfg.max_nodes]
             # A member lost while the job waited is dropped here: that counts as a fault, as every
             # round that drops a member does (agents tell a pure join by an unchanged count).
-            dropped = any(not _alive(view, m) for m in cur.members)
+            dropped = any(not _alive(view, m) for m in cur.members)  # a drained member is no fault
             new = _next_round(cur, members, cfg, f"back to {len(members)} nodes", cur.restart_count, fault=dropped)
             return Decision(Action.WRITE_ROUND, new.reason, round=new)
         return _below_min(now, view, cfg, len(pool))

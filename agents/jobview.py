@@ -21,7 +21,8 @@ from typing import Callable
 
 from ftrt.agents.decide import View
 from ftrt.jobkeys import JobKeys
-from ftrt.records import DeciderRecord, JobState, MasterRecord, Member, NodeRecord, RestartRequest, RoundHeader, decode
+from ftrt.records import (DeciderRecord, DrainRequest, JobState, MasterRecord, Member, NodeRecord, RestartRequest,
+                          RoundHeader, decode)
 from ftrt.roster import LocalRound, ShardRead, decode_header, read_shards, wanted_groups
 from ftrt.errors import StoreError, WatchCompacted
 from ftrt.store.api import Store, WatchEvent
@@ -53,6 +54,8 @@ class JobView:
         self.masters: dict[int, MasterRecord] = {}
         self.decider: DeciderRecord | None = None
         """The decider the last election's winner announced (for logs and ``ftrt status``)."""
+        self.drain: DrainRequest | None = None
+        """``ftrt drain``'s request for this node, if one stands (the agent checks the incarnation)."""
         self._tasks: list[asyncio.Task] = []
         self._nodes_task: asyncio.Task | None = None
         self._following_nodes = False
@@ -101,6 +104,7 @@ class JobView:
         view = self.view
         view.requests.clear()
         view.job = None
+        self.drain = None
         self.masters.clear()
         self.decider = None
         self.round_mod_revision = 0  # the round read replaces the view's (etcd may have been restored)
@@ -276,6 +280,11 @@ class JobView:
         elif key == self.keys.state:
             if ev.kind == "put":
                 view.job = decode(JobState, ev.value)
+        elif key == self.keys.drain(self.node_id):
+            try:
+                self.drain = None if ev.kind == "delete" else decode(DrainRequest, ev.value)
+            except (ValueError, TypeError) as exc:
+                log.error("ignoring the drain request %s: %s", key, exc)
 
     def _apply_node(self, ev: WatchEvent, now: float) -> None:
         view = self.view

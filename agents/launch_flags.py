@@ -174,6 +174,18 @@ FLAGS: tuple[Flag | FlagGroup, ...] = (
          type=int, metavar="PORT"),
     Flag("event_log", ("--event-log",), None, "append this node's events to FILE, one JSON line each",
          metavar="FILE"),
+    Flag("drain_timeout", ("--drain-timeout",), 25.0,
+         "on SIGTERM, a preemption notice or ftrt drain: seconds to leave gracefully (the round ends at a step "
+         "boundary without this node, its state is handed over, exit 0); past it, leave as a crash would; a "
+         "second SIGTERM leaves at once (default {default}; 0: SIGTERM stops at once)", type=float,
+         metavar="SECONDS"),
+    Flag("preemption_file", ("--preemption-file",), None, "drain when this file appears", metavar="PATH"),
+    Flag("preemption_url", ("--preemption-url",), None,
+         "poll this URL (a cloud's preemption notice) and drain when it answers 200 with a body other than "
+         "empty, FALSE or 0", metavar="URL"),
+    Flag("preemption_poll", ("--preemption-poll",), 2.0,
+         "seconds between two looks at --preemption-file/--preemption-url (default {default})", type=float,
+         metavar="SECONDS"),
     FlagGroup("etcd_access", "etcd security (TLS and auth)", access.add_arguments, access.from_args),
     FlagGroup("agent_tls", "agent security (mutual TLS between agents)", agent_tls.add_arguments,
               agent_tls.from_args),

@@ -128,6 +128,37 @@ class Replicator:
         for link in self._links.values():
             link.notify(rank)
 
+    def _newest(self) -> dict[int, tuple[int, bool]]:
+        """Per own rank: the step of its newest memory checkpoint and whether every tensor is whole."""
+        out = {}
+        for directory in (Path(self.mem_dir) / "own").glob("rank-*"):
+            try:
+                index = json.loads((directory / "current.json").read_text())
+                whole = all(e["local_shape"] == e["global_shape"] for e in index["entries"])
+                out[int(directory.name.split("-")[1])] = (int(index["step"]), whole)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # no complete checkpoint of that rank yet
+        return out
+
+    async def flush(self, timeout: float) -> bool:
+        """Before this node leaves (a drain): send every sharded rank's newest memory checkpoint to
+        every peer now, interval or not, and wait up to ``timeout`` s. True once each is there (or
+        there is none); False past the timeout or without a peer. A data-parallel rank needs no
+        copy: every staying rank saved the same step of the same tensors."""
+        sharded = {r: step for r, (step, whole) in self._newest().items() if not whole}
+        if not sharded:
+            return True
+        if not self._links:
+            return False
+        for link in self._links.values():
+            link.send_now(sharded)
+        deadline = time.monotonic() + timeout
+        while any(link.last_sent.get(r, -1) < step for link in self._links.values() for r, step in sharded.items()):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
     async def close(self) -> None:
         links, self._links = list(self._links.values()), {}
         await asyncio.gather(*(link.close() for link in links), *self._closing, return_exceptions=True)
@@ -160,6 +191,13 @@ class _PeerLink:
 
     def notify(self, rank: int) -> None:
         self._dirty.add(rank)
+        self._wake.set()
+
+    def send_now(self, ranks) -> None:
+        """Send ``ranks`` next, however recently they were sent."""
+        for rank in ranks:
+            self._sent_at.pop(rank, None)
+            self._dirty.add(rank)
         self._wake.set()
 
     async def _run(self) -> None:

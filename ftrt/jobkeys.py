@@ -1,8 +1,8 @@
 """The etcd key layout of a job, the one owner of every key name (agents, the checkpoint pointer,
 ``ftrt status`` and the chaos runner use it). Everything a job writes lives under ``/ftrt/<job_id>/``.
 
-``rdzv/`` holds what every agent watches: the round, restart requests, the rounds' master
-records, the job's terminal state and the decider key (one watch per agent covers it). ``nodes/``
+``rdzv/`` holds what every agent watches: the round, restart and drain requests, the rounds'
+master records, the job's terminal state and the decider key (one watch per agent covers it). ``nodes/``
 holds one record per live agent; only the job's decider watches it, so a join costs O(1) watch
 events per agent, not O(N). ``election/`` holds the decider election's candidate slots; an
 agent watches one of them. ``roster/`` holds the rounds' members in group shards, which agents read
@@ -91,6 +91,14 @@ class JobKeys:
 
     def request(self, node_id: str) -> str:
         return f"{self.requests}{node_id}"
+
+    @property
+    def drains(self) -> str:
+        """Prefix of ``ftrt drain``'s requests (one per node, read by that node's agent)."""
+        return f"{self.rdzv}drain/"
+
+    def drain(self, node_id: str) -> str:
+        return f"{self.drains}{check_id('node id', node_id)}"
 
     @property
     def masters(self) -> str:

@@ -68,6 +68,9 @@ class NodeRecord:
     """Warm workers are up: the node can join a round without an interpreter boot."""
     done_round: int = 0
     """Non-zero once this node's workers all exited 0 in that round; not eligible for new rounds."""
+    leaving: bool = False
+    """The node is draining (SIGTERM, a preemption notice, ``ftrt drain``): the next round is
+    written without it, as a planned change, and it is not admitted to any later one."""
     pid: int = 0
     started: float = 0.0
     lease: int = field(default=0, compare=False)
@@ -203,6 +206,16 @@ class RestartRequest:
     round: int
     kind: Literal["failure", "hang", "store"] = "failure"
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class DrainRequest:
+    """``ftrt drain``'s request that one incarnation of a node leave the job gracefully."""
+
+    node_id: str
+    incarnation: str
+    reason: str = ""
+    time: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,18 @@ class Runtime:
             self.report(reports.boundary())
         return self._round_end.ending(self.round)
 
+    def draining(self) -> bool:
+        """Whether this worker's node is leaving the job gracefully (SIGTERM to its agent, a
+        preemption notice, ``ftrt drain``).
+
+        The agent has asked for a round without this node; when it is written, every rank's
+        :meth:`round_ending` turns True and the job ends the round at a step boundary as for a
+        join (save the step, exit), then goes on without this node from that step. Until then
+        this worker runs as usual: use the notice to get ready (finish an asynchronous save, stop
+        taking new work). Cheap (one read of mapped memory). Outside ``ftrt launch`` always False.
+        """
+        return self._round_end is not None and self._round_end.draining()
+
     def exit_for_round(self) -> None:
         """End this worker now, after its round ended at a step boundary and its state is saved.
 

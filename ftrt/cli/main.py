@@ -32,6 +32,12 @@ def _cmd_status(args: argparse.Namespace, rest: list[str]) -> int:
     return status_main(rest)
 
 
+def _cmd_drain(args: argparse.Namespace, rest: list[str]) -> int:
+    from ftrt.agents.drain import drain_main
+
+    return drain_main(rest)
+
+
 def _cmd_etcd(args: argparse.Namespace, rest: list[str]) -> int:
     from ftrt.cli.etcd import etcd_main
 
@@ -71,6 +77,7 @@ def _cmd_rollout(args: argparse.Namespace, rest: list[str]) -> int:
 COMMANDS: dict[str, tuple[Handler, str]] = {
     "launch": (_cmd_launch, "run a training script on this node under an ftrt agent (torchrun drop-in)"),
     "status": (_cmd_status, "show a job's members, round, restarts and recent events"),
+    "drain": (_cmd_drain, "make one node leave a job gracefully: ftrt drain --etcd HOST:PORT --job-id ID NODE"),
     "etcd": (_cmd_etcd, "run a local etcd server in the foreground (to try multi-node on one machine)"),
     "ckpt": (_cmd_ckpt, "list, inspect or verify checkpoints: ftrt ckpt ls|inspect|verify URL [STEP]"),
     "chaos": (_cmd_chaos, "chaos scenarios: ftrt chaos list | run FILE.yaml [--report DIR] [--seed N]"),

@@ -15,15 +15,16 @@ from ftrt.records import Member, RoundRecord
 A, B, C = Member("a", "a1", 1), Member("b", "b1", 1), Member("c", "c1", 1)
 
 
-def test_a_join_is_planned_and_a_fault_or_a_new_incarnation_is_not():
+def test_a_join_or_a_drain_is_planned_and_a_fault_or_a_new_incarnation_is_not():
     old = RoundRecord(3, (A, B), faults=1)
     assert planned_change(old, RoundRecord(4, (A, B, C), faults=1))  # c joined
+    assert planned_change(old, RoundRecord(4, (A,), faults=1))  # b drained
+    assert planned_change(old, RoundRecord(4, (A,), active=False, faults=1))  # b drained below the minimum
     assert not planned_change(old, RoundRecord(4, (A, B), faults=2))  # a worker failed
     assert not planned_change(old, RoundRecord(4, (A,), faults=2))  # b was lost
     # b back with a new incarnation is a lost member: the decider counts a fault for it
     # (test_decide), so the fault count alone tells an agent, which sees only its own group.
     assert not planned_change(old, RoundRecord(4, (A, Member("b", "b2", 1), C), faults=2))
-    assert not planned_change(old, RoundRecord(4, (A, B, C), active=False, faults=1))
 
 
 def test_the_wait_covers_a_few_steps_within_bounds():

@@ -207,3 +207,43 @@ def test_a_member_lost_while_the_job_waits_counts_as_a_fault_when_the_job_resume
     assert back.round.faults == 2  # b was dropped: not a pure join, whatever the agents saw before
     kept = decide_round(5.0, view_of(A, B, C, round_=waiting, changed_at=0.0), cfg)
     assert kept.round.faults == 1
+
+
+def test_a_draining_member_gets_a_round_without_it_as_a_planned_change():
+    v = view_of(A, replace(B, leaving=True), C, round_=replace(R1, faults=2, restart_count=1), changed_at=5.0)
+    assert decide_round(5.05, v, CFG).action is Action.WAIT  # settles like any change
+    d = decide_round(5.1, v, CFG)
+    assert d.action is Action.WRITE_ROUND and d.round.active
+    assert d.round.node_ids == ["a", "c"] and "drained b" in d.reason
+    assert d.round.faults == 2 and d.round.restart_count == 1  # no fault, no restart counted
+
+
+def test_a_spare_takes_a_drained_member_s_place_and_a_draining_node_is_never_admitted():
+    r = RoundRecord(round=1, members=(member(A), member(B), member(C)))
+    v = view_of(A, B, replace(C, leaving=True), D, round_=r, changed_at=0.0)
+    d = decide_round(1.0, v, CFG)
+    assert d.round.node_ids == ["a", "b", "d"]
+    # a draining newcomer is not a candidate, neither for a join nor for a first round
+    r2 = RoundRecord(round=2, members=(member(A), member(B)))
+    assert decide_round(9.0, view_of(A, B, replace(D, leaving=True), round_=r2), CFG).action is Action.NONE
+    assert decide_round(9.0, view_of(A, replace(B, leaving=True), waiting_since=0.0), CFG).action is Action.WAIT
+
+
+def test_a_drain_below_min_writes_an_inactive_round_that_says_so_and_waits_for_a_newcomer():
+    r = RoundRecord(round=3, members=(member(A), member(B)))
+    d = decide_round(1.0, view_of(A, replace(B, leaving=True), round_=r, changed_at=0.0), CFG)
+    assert d.action is Action.WRITE_ROUND and not d.round.active and d.round.faults == 0
+    assert "drained b" in d.reason and "1 of at least 2 nodes left, waiting for a newcomer" in d.reason
+    # the drained node, still registered while it leaves, does not count towards the minimum
+    v = view_of(A, replace(B, leaving=True), round_=d.round, waiting_since=1.0)
+    assert decide_round(2.0, v, CFG).action is Action.WAIT
+    v = view_of(A, D, round_=d.round, waiting_since=1.0, changed_at=2.0)
+    d = decide_round(2.5, v, CFG)
+    assert d.action is Action.WRITE_ROUND and d.round.active and d.round.node_ids == ["a", "d"]
+    assert d.round.faults == 0  # the drained member's leaving was no fault
+
+
+def test_a_loss_during_a_drain_counts_one_fault_and_drops_both():
+    v = view_of(A, replace(B, leaving=True), round_=R1, changed_at=0.0)  # c lost, b draining
+    d = decide_round(1.0, v, CFG)
+    assert d.round.node_ids == ["a"] and d.round.faults == 1 and "lost c" in d.reason

@@ -280,7 +280,10 @@ def test_sigterm_stops_workers_cleanly_and_leaves_the_job_at_once(tmp_path, make
 
     progress = Progress(tmp_path / "p.jsonl")
     script = ddp_args(progress.path, steps=100000)
-    a = make_node("a", script, nnodes="1:2", extra=("--stop-grace", "3", "--log-dir", str(tmp_path / "logs")))
+    # --drain-timeout 0: SIGTERM stops at once, as torchrun's agent does (tests/agents/test_drain.py
+    # covers the default, a graceful drain)
+    a = make_node("a", script, nnodes="1:2", extra=("--stop-grace", "3", "--log-dir", str(tmp_path / "logs"),
+                                                    "--drain-timeout", "0"))
     wait_until(lambda: progress.stepping(world=1, ranks=1), 60, "stepping")
     workers = a.tree()[1:]
     a.proc.send_signal(15)

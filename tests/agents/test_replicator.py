@@ -68,3 +68,35 @@ def test_sharded_ranks_go_after_every_checkpoint_and_whole_ones_at_most_every_in
     assert lagging is not None and lagging < 10, lagging
     assert sends[0] <= 3, sends  # at ~0, ~0.5 and ~1.0 s at most
     assert sends[1] >= 5, sends  # latest-wins may merge a few, but most went
+
+
+def test_a_drain_flushes_the_newest_sharded_checkpoint_to_its_peers_and_says_when_it_cannot(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+
+    async def main():
+        server = grpc.aio.server()
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(types.SimpleNamespace(status=None), str(dst), TOKEN), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        lonely = Replicator("a", str(src), TOKEN, interval=60)
+        rep = Replicator("a", str(src), TOKEN, interval=60)
+        try:
+            commit(src, 0, 3, sharded=False)
+            assert await rep.flush(1.0) is True  # only whole ranks: the staying ranks hold the same step
+            assert replica_step(dst, 0) is None
+            commit(src, 1, 3, sharded=True)
+            assert await lonely.flush(1.0) is False  # a sharded rank and nobody to give it to
+            rep.set_peers([f"127.0.0.1:{port}"])
+            for _ in range(100):
+                if replica_step(dst, 1) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            commit(src, 1, 4, sharded=True)  # the step the round ended with; no notify reached the replicator
+            assert await rep.flush(5.0) is True
+            return replica_step(dst, 1)
+        finally:
+            await rep.close()
+            await lonely.close()
+            await server.stop(None)
+
+    assert asyncio.run(main()) == 4
