@@ -49,6 +49,7 @@ from ftrt.agents.fence import FenceWriter
 from ftrt.agents.health import find_hung
 from ftrt.agents.membership import Membership
 from ftrt.agents.peers import MONITORED_PEERS, PeerMonitor
+from ftrt.agents.probes import Probes, judge
 from ftrt.agents.tls import PeerChannels
 from ftrt.agents.rendezvous import Rendezvous
 from ftrt.agents.replicator import Replicator
@@ -202,6 +203,7 @@ class AgentParts:
     rdzv: Rendezvous
     monitor: PeerMonitor
     channels: PeerChannels
+    probes: Probes
 
 
 async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store: Store | None = None,
@@ -254,6 +256,12 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
     server, port = bind_server(host, cfg.agent_port, cfg.agent_tls)
     stack.push_async_callback(server.stop, 0.2)
     agent_addr = f"{host}:{port}"
+    probes = Probes()
+    probes.add_to(server)  # grpc.health.v1 on the agent's own port
+    if cfg.health_port is not None:
+        hport = probes.serve_http(host, cfg.health_port)
+        stack.callback(probes.close)
+        alog.info("health probes on http://%s:%d/healthz and /readyz", host, hport)
     # Closed in reverse: the workers stop first, then the rendezvous (its slot freed), then the lease.
     membership = Membership(store, keys, node_id=cfg.node_id, host=host, agent_addr=agent_addr,
                             nproc=cfg.nproc_per_node, lease_ttl=cfg.lease_ttl, on_renew=early.fence.set, log=alog)
@@ -296,7 +304,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
         cfg=cfg, keys=keys, node=node, log=alog, host=host, endpoints=endpoints, agent_addr=agent_addr,
         store=store, fence=early.fence, round_end=early.round_end, mem_dir=early.mem_dir, token=token,
         metrics=metrics, events=events, replicator=replicator, inbox=inbox, pool=pool, membership=membership,
-        rdzv=rdzv, monitor=monitor, channels=channels,
+        rdzv=rdzv, monitor=monitor, channels=channels, probes=probes,
     ), server
 
 
@@ -379,6 +387,7 @@ class Agent:
         self._channels = parts.channels
         self._fence = parts.fence
         self._round_end = parts.round_end
+        self._probes = parts.probes
         self._worker_record: LocalRound | None = None  # the round this node's workers run in
         self._finished_at = 0.0
         self._background: set[asyncio.Task] = set()
@@ -462,6 +471,7 @@ class Agent:
         while True:
             await self.inbox.wait(seen, 0.5)
             seen = self.inbox.version
+            await self._update_probes()
             if self.stop.signum is not None:
                 self._set_state(AgentState.STOPPED)
                 return 128 + self.stop.signum
@@ -577,6 +587,16 @@ class Agent:
             await self.rdzv.request_restart(failed, kind, detail)
         except StoreError as exc:
             self.log.warning("could not request a restart: %s", exc)
+
+    async def _update_probes(self) -> None:
+        rnd = self.rdzv.view.round
+        try:
+            in_round = self._included(rnd) and self.worker_round == rnd.round
+        except NotLoaded:
+            in_round = False
+        await self._probes.update(judge(
+            self.state, registered=self.membership.record is not None, expired=self.membership.expired(),
+            draining=self._drain is not None, in_round=in_round, current_round=rnd.round if rnd is not None else None))
 
     # -- draining -------------------------------------------------------------------------------
     def _on_notice(self, why: str) -> None:

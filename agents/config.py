@@ -139,6 +139,11 @@ class LaunchConfig(BaseModel):
     event_log: Optional[str] = Field(
         None, description="Append this node's events to this file, one JSON line each (time, node, round, kind).",
     )
+    health_port: Optional[int] = Field(
+        None, ge=0, le=65535, description="Also serve HTTP GET /healthz (live) and /readyz (workers in the current "
+        "round) at http://HOST:PORT (0 picks a free port, logged at start). The gRPC health service on the agent's "
+        "port is always on.",
+    )
     drain_timeout: float = Field(
         DEFAULTS["drain_timeout"], ge=0,
         description="Seconds a draining node (SIGTERM, a preemption notice, ftrt drain) has to leave gracefully: "

@@ -174,6 +174,9 @@ FLAGS: tuple[Flag | FlagGroup, ...] = (
          type=int, metavar="PORT"),
     Flag("event_log", ("--event-log",), None, "append this node's events to FILE, one JSON line each",
          metavar="FILE"),
+    Flag("health_port", ("--health-port",), None,
+         "also serve HTTP /healthz (live) and /readyz (workers in the current round) on --host's address at this "
+         "port (0: a free one); the agent's gRPC port always answers grpc.health.v1", type=int, metavar="PORT"),
     Flag("drain_timeout", ("--drain-timeout",), 25.0,
          "on SIGTERM, a preemption notice or ftrt drain: seconds to leave gracefully (the round ends at a step "
          "boundary without this node, its state is handed over, exit 0); past it, leave as a crash would; a "
