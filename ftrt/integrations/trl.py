@@ -4,8 +4,9 @@
 num_iterations`` micro-steps) and trains the window's steps from a buffer (``_buffered_inputs``)
 indexed by a micro-step counter (``_step``). Neither is in the Trainer's checkpoint, so a run
 resumed inside a window regenerates at the wrong step and diverges without a warning (trl #3247;
-PR #3148 was not merged). This callback adds both to every ``checkpoint-N/``, per rank, before
-ftrt commits the folder, and puts them back when the Trainer resumes from it::
+PR #3148 made such a resume regenerate instead of failing, which keeps it running, not exact).
+This callback adds both to every ``checkpoint-N/``, per rank, before ftrt commits the folder, and
+puts them back when the Trainer resumes from it::
 
     from ftrt.integrations.trl import FtrtCallback, resume_checkpoint
 
