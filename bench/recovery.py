@@ -16,6 +16,10 @@ fault, and reads the step logs:
 - ``fault_during_warmup``: a worker crash restarts every node's workers (ftrt's spares are used
   and refill), and 1 s after every rank steps again a node is killed: its recovery, as
   ``node_loss`` measures it, while spares are still warming (``first_recovery_s``: the crash's).
+- ``drain`` / ``drain_rank0``: SIGTERM to one node's agent (Kubernetes deleting a pod), the script
+  saving every 10 steps and ending a round at a step boundary when ftrt asks (``--boundary``;
+  torchrun never asks); time until the survivors step at world 2, their longest pause, the
+  steps trained twice (``redone``), and the agent's exit code and time to exit (``exit_s``).
 
 torchrun runs its c10d rendezvous as usually deployed: the first node's agent hosts the rendezvous
 TCPStore (``is_host=true``; the others ``false``), with its best settings
@@ -32,7 +36,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +53,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "ftrt" / "examples" / "ddp_steps.py"
 TORCHRUN_BEST = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 SCENARIOS = ("node_loss", "node_loss_rank0", "worker_crash", "node_join", "node_freeze", "node_loss_early",
-             "fault_during_warmup")
+             "fault_during_warmup", "drain", "drain_rank0")
+DRAIN_SCRIPT = ("--boundary", "--ckpt-every", "10")
+"""``drain``: the script saves every 10 steps and ends a round at a step boundary when asked."""
 EARLY_STEPS = 15
 """``node_loss_early``: steps after the first one at which the node is killed."""
 SECOND_FAULT_AFTER_S = 1.0
@@ -62,8 +70,10 @@ class Cluster:
 
     def __init__(self, system: str, work: Path, *, nnodes: str = "2:3", torchrun_conf: str = TORCHRUN_BEST,
                  workload: str = "ddp", max_restarts: int = 10, launch_extra: tuple[str, ...] = (),
-                 env_extra: dict[str, str] | None = None, etcd_tls_auth: bool = False):
+                 env_extra: dict[str, str] | None = None, etcd_tls_auth: bool = False,
+                 script_extra: tuple[str, ...] = ()):
         self.system = system
+        self.script_extra = script_extra
         self.launch_extra = list(launch_extra)  # more ``ftrt launch`` options (ftrt only)
         self.max_restarts = max_restarts
         self.workload = workload
@@ -95,7 +105,7 @@ class Cluster:
             str(SCRIPT), "--steps", str(steps), "--step-time", "0.05", "--progress", str(self.log.path),
             "--all-ranks", "--ckpt", str(self.work / "ckpt.json"), "--fault-marker", str(self.marker),
             "--fail-when", str(self.work / "arm"), "--fail-rank", "1",
-            *(["--plain"] if self.workload == "plain" else []),
+            *(["--plain"] if self.workload == "plain" else []), *self.script_extra,
         ]
 
     def add(self, node_id: str, script: list[str]) -> LocalNode:
@@ -166,7 +176,7 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
     """Run one scenario once on a fresh cluster; return its measurements (seconds)."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-{system}-{scenario}-"))
     c = Cluster("ftrt" if system == "ftrt-tls" else system, work, torchrun_conf=torchrun_conf, workload=workload,
-                etcd_tls_auth=system == "ftrt-tls")
+                etcd_tls_auth=system == "ftrt-tls", script_extra=DRAIN_SCRIPT if scenario.startswith("drain") else ())
     result: dict = {"system": system, "scenario": scenario, "workload": workload}
     try:
         if scenario in ("node_loss", "node_loss_rank0", "node_freeze"):
@@ -213,6 +223,24 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
             result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
             if first:
                 result["pause_s"] = round(_longest_pause(c.log, t0, max(first.values())), 3)
+        elif scenario in ("drain", "drain_rank0"):
+            _train(c, ["n0", "n1", "n2"], steps=100000)
+            victim = c.victim(rank0=scenario == "drain_rank0")
+            result["victim_hosted_store"] = c.system == "torchrun" and victim == "n0"
+            t0 = time.time()
+            c.nodes[victim].proc.send_signal(signal.SIGTERM)
+            try:
+                result["exit_code"] = c.nodes[victim].wait(60)
+                result["exit_s"] = round(time.time() - t0, 3)
+            except subprocess.TimeoutExpired:
+                result["exit_code"] = result["exit_s"] = None
+            first = _wait_or_none(lambda: c.log.stepping(world=2, ranks=2, since=t0))
+            result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
+            if first:
+                result["pause_s"] = round(_longest_pause(c.log, t0, max(first.values())), 3)
+                time.sleep(1.0)  # a few steps at world 2, so a step trained twice shows
+            steps = [x["step"] for x in c.log.lines() if x["rank"] == 0]
+            result["redone"] = len(steps) - len(set(steps))
         else:
             raise ValueError(scenario)
     finally:
@@ -288,6 +316,10 @@ def summarize(rows: list[dict]) -> list[dict]:
             pauses = [r["pause_s"] for r in rows if r["scenario"] == scenario and r["system"] == system and "pause_s" in r]
             if pauses:
                 entry[system]["median_pause_s"] = round(statistics.median(pauses), 3)
+            mine = [r for r in rows if r["scenario"] == scenario and r["system"] == system and "redone" in r]
+            if mine:  # a drain: what the departing agent did, and the steps trained twice
+                entry[system].update(redone=[r["redone"] for r in mine], exit_codes=[r["exit_code"] for r in mine],
+                                     exit_s=[r["exit_s"] for r in mine])
         f, t = entry.get("ftrt", {}).get("median_s"), entry.get("torchrun", {}).get("median_s")
         entry["speedup"] = round(t / f, 1) if f and t else None
         s = entry.get("ftrt-tls", {}).get("median_s")
@@ -321,6 +353,9 @@ def render(summary: list[dict]) -> str:
         for sysname, d in (("ftrt", f), ("ftrt-tls", s), ("torchrun", t)):
             if d.get("median_pause_s") is not None:
                 lines.append(f"{'':<4}{sysname} running ranks' longest pause: {d['median_pause_s']:.2f} s (median)")
+            if d.get("redone") is not None:
+                lines.append(f"{'':<4}{sysname}: steps redone {d['redone']}, the drained agent exited "
+                             f"{d['exit_codes']} after {d['exit_s']} s")
             if d.get("no_recovery"):
                 lines.append(f"{'':<4}{sysname}: {d['no_recovery']} of {d['runs']} runs did not recover within {CAP:.0f} s")
     return "\n".join(lines)

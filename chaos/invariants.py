@@ -20,6 +20,8 @@ can be tested on small hand-made inputs. :func:`judge` applies them all to one r
   from the steps;
 - ``trainer_untouched`` (faults of the rollout fleet only): no trainer process was restarted
   (the metrics count no resume);
+- ``nothing_redone`` (planned departures only: ``drain_node``, ``preempt_node``): the job redid no
+  step (the trainer's ``redone`` counter is 0 at the end);
 - ``no_process_left``: no process the run started is still alive;
 - ``no_stale_keys``: no key under the job's etcd prefix is still attached to a lease.
 """
@@ -192,6 +194,19 @@ def _rollout_only(records: list[FaultRecord]) -> bool:
     return bool(done) and all(r.kind in ROLLOUT_KINDS for r in done)
 
 
+def _planned_only(records: list[FaultRecord]) -> bool:
+    from ftrt.chaos.scenario import PLANNED_KINDS
+
+    done = injected(records)
+    return bool(done) and all(r.kind in PLANNED_KINDS for r in done)
+
+
+def nothing_redone(lines: list[dict]) -> Verdict:
+    """No step was trained twice: the last metrics line's ``redone`` counter is 0."""
+    redone = lines[-1].get("redone", 0) if lines else 0
+    return redone == 0, ("no step was redone" if redone == 0 else f"{redone} step(s) were trained again")
+
+
 def trainer_untouched(lines: list[dict]) -> Verdict:
     """No trainer process restarted: the last metrics line counts no resume."""
     resumes = lines[-1].get("resumes", 0) if lines else 0
@@ -215,6 +230,7 @@ def judge(sc: Scenario, job: JobResult, reference: list[dict] | None, alive: lis
         "world_grows": world_grows(world_sizes(lines)) if sc.expect.world_grows else None,
         "metrics_agree": metrics_agree(injected(job.records), job.scraped),
         "trainer_untouched": trainer_untouched(lines) if _rollout_only(job.records) else None,
+        "nothing_redone": nothing_redone(lines) if _planned_only(job.records) else None,
         "no_process_left": no_process_left(alive),
         "no_stale_keys": no_stale_keys(job.stale),
     }

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ftrt.chaos import invariants
-from ftrt.chaos.faults import Context, Injected, injector
+from ftrt.chaos.faults import Context, Injected, injector, preemption_path
 from ftrt.chaos.invariants import CheckpointScan, recovery_limit
 from ftrt.chaos.local import LocalNode, find_agents, read_jsonl, spares_warm
 from ftrt.chaos.netns import NetLab, unavailable
@@ -162,14 +162,15 @@ class ChaosRun:
 
             def start_node(name: str) -> LocalNode:
                 command = None
-                node_args = args
+                i = args.index("-m")  # preempt_node's notice reaches the node through this file
+                node_args = [*args[:i], "--preemption-file", str(preemption_path(self.work, job_id, name)),
+                             "--preemption-poll", "0.2", *args[i:]]
                 if lab is not None:
                     command = lab.wrap(Context.node_index(name), [sys.executable, "-m", "ftrt.cli.main", "launch",
-                                                                  "--node-id", name, *args])
+                                                                  "--node-id", name, *node_args])
                 else:  # each agent serves its metrics; the runner scrapes them (a restarted node keeps its port)
                     port = ports.setdefault(name, free_port())
-                    i = args.index("-m")
-                    node_args = [*args[:i], "--metrics-port", str(port), *args[i:]]
+                    node_args = [*node_args[:i], "--metrics-port", str(port), *node_args[i:]]
                 node = LocalNode(self.work, name, node_args, command=command, env=NetLab.env() if lab else None)
                 node.log_path = self.work / f"{run}-agent-{name}-{int(time.time() * 1000) % 100000}.log"
                 return node.start()
@@ -269,7 +270,7 @@ class ChaosRun:
             find_agents(n for n in nodes.values() if n.alive())  # then a fault's warm check is one quick RPC each
             time.sleep(0.05)
         for _, rec, inj in ends:  # the run is over: end what is still going on (the dead stay dead)
-            if rec.kind not in ("kill_node", "kill_rollout"):
+            if rec.kind not in ("kill_node", "kill_rollout", "drain_node", "preempt_node"):
                 inj.end()
                 rec.ended_at = round(time.time() - (res.t_first or time.time()), 3)
         for f in pending:

@@ -23,17 +23,22 @@ from ftrt.errors import ConfigError
 FaultKind = Literal[
     "kill_worker", "kill_node", "freeze_worker", "freeze_node", "kill_etcd_member", "stop_etcd",
     "corrupt_checkpoint", "truncate_checkpoint", "add_node", "partition_node", "storage_outage",
-    "storage_slow", "kill_rollout", "freeze_rollout", "add_rollout",
+    "storage_slow", "kill_rollout", "freeze_rollout", "add_rollout", "drain_node", "preempt_node",
 ]
 DURATION_KINDS = {"freeze_worker", "freeze_node", "kill_etcd_member", "stop_etcd", "partition_node",
-                  "storage_outage", "storage_slow", "freeze_rollout"}
-"""Faults that last: they need ``duration_s`` (``kill_node`` takes one optionally: the node restarts after it)."""
-NODE_KINDS = {"kill_worker", "kill_node", "freeze_worker", "freeze_node", "partition_node"}
+                  "storage_outage", "storage_slow", "freeze_rollout", "preempt_node"}
+"""Faults that last: they need ``duration_s`` (``kill_node`` and ``drain_node`` take one optionally:
+the node starts again after it; ``preempt_node``: the notice's lead before the SIGKILL)."""
+NODE_KINDS = {"kill_worker", "kill_node", "freeze_worker", "freeze_node", "partition_node", "drain_node",
+              "preempt_node"}
 """Faults whose ``target`` is a node."""
 ROLLOUT_KINDS = {"kill_rollout", "freeze_rollout", "add_rollout"}
 """Faults of the rollout fleet (``cluster.rollout_servers``); ``target`` is a server (rollout0, ...)."""
 STORM_KINDS = ("kill_worker", "kill_node", "freeze_worker", "freeze_node", "partition_node", "stop_etcd",
-               "storage_outage", "storage_slow", "kill_rollout", "freeze_rollout", "add_rollout")
+               "storage_outage", "storage_slow", "kill_rollout", "freeze_rollout", "add_rollout", "drain_node",
+               "preempt_node")
+PLANNED_KINDS = {"drain_node", "preempt_node"}
+"""Planned departures: the job must redo no step for them (invariant ``nothing_redone``)."""
 """What a storm may draw (each only where the cluster supports it)."""
 
 
@@ -87,7 +92,9 @@ class Fault(_Strict):
     at_s: float | None = Field(None, ge=0, description="inject this many seconds after the first step")
     target: str = Field("random", description="a node id (node0, node1, ...) or random")
     duration_s: float | None = Field(None, gt=0, description="how long the fault lasts (a freeze, "
-                                     "an outage, a partition); kill_node: restart the node after it")
+                                     "an outage, a partition); kill_node, drain_node: restart the node after "
+                                     "it; preempt_node: the notice's lead before the SIGKILL (then the "
+                                     "node restarts, a replacement machine)")
     delay_s: float = Field(0.05, gt=0, le=5, description="storage_slow: seconds added to every "
                            "chunk the storage proxy forwards")
 
@@ -205,7 +212,7 @@ def storm_faults(storm: Storm, seed: int) -> list[Fault]:
         if t > storm.duration_s:
             return out
         kind = rng.choice(storm.kinds)
-        down = storm.down_s if kind in DURATION_KINDS or kind in ("kill_node", "kill_rollout") else None
+        down = storm.down_s if kind in DURATION_KINDS or kind in ("kill_node", "kill_rollout", "drain_node") else None
         out.append(Fault(kind=kind, at_s=round(t, 2), duration_s=down))
 
 

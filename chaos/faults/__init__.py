@@ -15,6 +15,12 @@ from typing import Any, Callable
 from ftrt.chaos.local import LocalNode
 
 
+def preemption_path(work: Path, job_id: str, node_id: str) -> Path:
+    """The file a chaos run's node watches for a preemption notice (the runner passes it as
+    ``--preemption-file``; ``preempt_node`` writes it)."""
+    return work / f"preempt-{job_id}-{node_id}"
+
+
 @dataclass
 class Context:
     """What injectors may act on: the running cluster and the job's files."""
@@ -45,6 +51,10 @@ class Context:
         """Keyword arguments that give a status query this cluster's etcd and agent credentials."""
         out = {"access": self.etcd_access} if self.etcd_access is not None else {}
         return {**out, "agent_tls": self.agent_tls} if self.agent_tls is not None else out
+
+    def preemption_file(self, node_id: str) -> Path:
+        """Where ``node_id``'s agent looks for a preemption notice (``--preemption-file``)."""
+        return preemption_path(self.ckpt_dir.parent, self.job_id, node_id)
 
     def alive_nodes(self) -> list[str]:
         return sorted(n for n, node in self.nodes.items() if node.alive())
@@ -77,7 +87,7 @@ def _injectors() -> dict[str, Callable[[Context, Any], Injected]]:
         "add_node": membership.add_node, "partition_node": network.partition_node,
         "storage_outage": storage.outage, "storage_slow": storage.slow,
         "kill_rollout": rollout.kill_rollout, "freeze_rollout": rollout.freeze_rollout,
-        "add_rollout": rollout.add_rollout,
+        "add_rollout": rollout.add_rollout, "drain_node": process.drain_node, "preempt_node": process.preempt_node,
     }
 
 

@@ -1,4 +1,6 @@
-"""Process faults: kill or freeze one worker, or a whole node (its agent and workers; a killed node may restart)."""
+"""Process faults: kill or freeze one worker, or a whole node (its agent and workers; a killed node
+may restart); and planned departures: drain a node (SIGTERM to its agent) or preempt it (a notice
+through its ``--preemption-file``, a SIGKILL after the notice's lead)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,38 @@ def kill_node(ctx: Context, fault) -> Injected:
         ctx.killed.discard(node)
 
     return Injected(node, end=restart, detail=f"SIGKILL agent and workers; restarted after {fault.duration_s} s")
+
+
+def drain_node(ctx: Context, fault) -> Injected:
+    """SIGTERM a node's agent: it drains and exits 0; with ``duration_s`` it starts again after that long."""
+    node = ctx.pick_node(fault.target)
+    ctx.nodes[node].proc.send_signal(signal.SIGTERM)
+    if fault.duration_s is None:
+        return Injected(node, detail="SIGTERM to the agent (drain)")
+
+    def restart() -> None:
+        ctx.nodes[node].wait(60)  # a drain ends within its timeout (25 s)
+        ctx.nodes[node] = ctx.start_node(node)
+
+    return Injected(node, end=restart, detail=f"SIGTERM to the agent (drain); restarted after {fault.duration_s} s")
+
+
+def preempt_node(ctx: Context, fault) -> Injected:
+    """A preemption notice (the node's ``--preemption-file`` appears), a SIGKILL of whatever is left
+    ``duration_s`` later, then the node starts again (a replacement machine)."""
+    node = ctx.pick_node(fault.target)
+    notice = ctx.preemption_file(node)
+    notice.touch()
+
+    def kill_and_replace() -> None:
+        drained = not ctx.nodes[node].alive()
+        if not drained:
+            ctx.nodes[node].kill()
+        notice.unlink(missing_ok=True)
+        ctx.nodes[node] = ctx.start_node(node)
+
+    return Injected(node, end=kill_and_replace,
+                    detail=f"preemption notice; SIGKILL {fault.duration_s} s later, then a replacement")
 
 
 def freeze_worker(ctx: Context, fault) -> Injected:

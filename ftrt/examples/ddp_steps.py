@@ -6,7 +6,11 @@ on a small MLP, padded with a sleep to about ``--step-time`` seconds. Rank 0 (or
 ``step``, ``round``, ``pid``) so tests and benchmarks can see who stepped when at which world size.
 
 Progress survives restarts through a small checkpoint (``--ckpt``, rank 0 writes it atomically
-every step), so a restarted world continues from the last step instead of step 0.
+every ``--ckpt-every`` steps), so a restarted world continues from the last saved step instead of
+step 0. With ``--boundary`` the script ends a round at a step boundary when ftrt asks (a node
+joins or drains): the ranks agree on it through an all-reduce, rank 0 saves that step, and every
+worker exits (:meth:`ftrt.Runtime.round_ending`, :meth:`ftrt.Runtime.exit_for_round`), so the next
+round redoes nothing whatever the checkpoint interval.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--progress", default=None, help="append per-step JSON lines here")
     p.add_argument("--all-ranks", action="store_true", help="every rank writes progress lines")
-    p.add_argument("--ckpt", default=None, help="resume file (rank 0 writes the step every step)")
+    p.add_argument("--ckpt", default=None, help="resume file (rank 0 writes the step every --ckpt-every steps)")
+    p.add_argument("--ckpt-every", type=int, default=1, help="steps between two writes of --ckpt (default 1)")
+    p.add_argument("--boundary", action="store_true",
+                   help="end a round at a step boundary when ftrt asks (a join or a drain): save the step and exit")
     p.add_argument("--fail-at-step", type=int, default=-1, help="rank --fail-rank exits 1 at this step (once)")
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--hang-at-step", type=int, default=-1, help="rank --fail-rank stops heart-beating here")
@@ -92,7 +99,12 @@ def main() -> None:
                     dist.all_reduce(prm.grad)
                     prm -= 0.01 * prm.grad / world
         rt.heartbeat(step)
-        if rank == 0 and args.ckpt:
+        ending = False
+        if args.boundary:  # every rank sees the request at its own moment: agree on the step
+            flag = torch.tensor([float(rt.round_ending())])
+            dist.all_reduce(flag)
+            ending = flag.item() > 0 and step + 1 < args.steps
+        if rank == 0 and args.ckpt and ((step + 1) % args.ckpt_every == 0 or ending):
             tmp = f"{args.ckpt}.tmp"
             with open(tmp, "w") as f:
                 json.dump({"step": step}, f)
@@ -103,6 +115,8 @@ def main() -> None:
                     "time": time.time(), "rank": rank, "world": world, "step": step,
                     "round": rt.round, "pid": os.getpid(),
                 }) + "\n")
+        if ending:
+            rt.exit_for_round()  # the step is saved: the next round goes on from it
         spent = time.monotonic() - t0
         if spent < args.step_time:
             time.sleep(args.step_time - spent)

@@ -138,3 +138,17 @@ def test_judge_applies_the_invariants_the_scenario_asks_for_in_the_reports_order
     got = inv.judge(scenario(equivalence="none", world_grows=True), job, None, alive=[7])
     assert "equivalence" not in got and got["world_grows"]["ok"] is False
     assert got["no_process_left"] == {"ok": False, "reason": "still alive: [7]"}
+
+
+def test_planned_departures_alone_must_redo_nothing():
+    lines = [line(0), line(1), line(2, redone=0)]
+    job = JobResult(lines=lines, records=[fault(0.3, kind="drain_node", limit_s=5),
+                                          fault(0.4, kind="preempt_node", limit_s=5)], codes={"node0": 0},
+                    checkpoints=CheckpointScan("/ck", {}))
+    got = inv.judge(scenario(), job, None, alive=[])
+    assert got["nothing_redone"] == {"ok": True, "reason": "no step was redone"}
+    job.lines = [line(0), line(1), line(2, redone=2)]
+    assert inv.judge(scenario(), job, None, alive=[])["nothing_redone"] == {
+        "ok": False, "reason": "2 step(s) were trained again"}
+    job.records.append(fault(0.5, kind="kill_node", limit_s=5))  # a crash may redo a step: not judged then
+    assert "nothing_redone" not in inv.judge(scenario(), job, None, alive=[])

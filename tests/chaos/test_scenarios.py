@@ -35,6 +35,7 @@ def test_every_builtin_scenario_is_valid_and_covers_every_fault_kind():
     ("name: x\ndescription: y\nfaults: [{kind: kill_node}]\n", "give exactly one of at_step and at_s"),
     ("name: x\ndescription: y\nfaults: [{kind: explode, at_step: 1}]\n", "faults.0.kind"),
     ("name: x\ndescription: y\nfaults: [{kind: freeze_node, at_step: 1}]\n", "needs duration_s"),
+    ("name: x\ndescription: y\nfaults: [{kind: preempt_node, at_step: 1}]\n", "needs duration_s"),  # the notice's lead
     ("name: x\ndescription: y\nfaults: [{kind: kill_node, at_step: 1, target: node9}]\n", "node9"),
     ("name: x\ndescription: y\nfaults: [{kind: kill_etcd_member, at_step: 1, duration_s: 2}]\n",
      "needs cluster.etcd_members: 3"),
