@@ -132,6 +132,7 @@ def _next_round(
         faults=(prev.faults if prev else 0) + (1 if fault else 0),
         reason=reason,
         job_started=prev.job_started if prev else 0.0,
+        planned_from=prev.round if prev is not None and prev.active and not fault else 0,
     )
 
 

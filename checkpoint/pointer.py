@@ -6,6 +6,12 @@ worker of an older round (say, of a node that froze and thawed) therefore can ne
 checkpoint the latest; its manifest is withdrawn again. At restore, checkpoints newer than the
 pointer are not trusted.
 
+One exception: when the next round replaced ours *without a fault* (a node joined or drained; the
+round header's ``planned_from`` names ours), our workers are ending the round at a step boundary
+on their agents' request, and the checkpoint of that step may still become the latest, provided
+it is newer than the latest (the transaction also compares ``latest`` itself, so the pointer
+never moves back).
+
 The checkpointer's threads are synchronous: the pointer keeps one event loop on a daemon thread
 of its own, and one etcd store on it for its lifetime (one connection, and under etcd auth one
 authentication, rather than one per call).
@@ -59,35 +65,46 @@ class LatestPointer:
         self._thread.join(5)
         self._loop.close()
 
+    def _ours(self, header: RoundHeader | None) -> bool:
+        """Whether ``header`` (the job's current round) lets our round commit: it is ours, or it
+        replaced ours without a fault (our workers end our round at a step boundary)."""
+        return header is not None and (header.round == self.round_no or (
+            header.round == self.round_no + 1 and header.planned_from == self.round_no > 0))
+
     def check_round(self) -> None:
-        """Raise :class:`RoundChanged` if the job's round is no longer ours."""
+        """Raise :class:`RoundChanged` if our round may no longer commit (see :meth:`_ours`)."""
 
         async def go(store):
             kv, _ = await store.get(self.keys.round)
-            current = decode(RoundHeader, kv.value).round if kv else 0
-            if current != self.round_no:
+            header = decode(RoundHeader, kv.value) if kv else None
+            if not self._ours(header):
                 raise RoundChanged(
-                    f"This worker runs in round {self.round_no} but the job is in round {current}; "
-                    "its checkpoint is not committed."
+                    f"This worker runs in round {self.round_no} but the job is in round "
+                    f"{header.round if header else 0}; its checkpoint is not committed."
                 )
 
         self._run(go)
 
     def commit(self, step: int) -> None:
-        """Point ``latest`` at ``step`` if our round is still current (else :class:`RoundChanged`)."""
+        """Point ``latest`` at ``step`` if our round may still commit (else :class:`RoundChanged`)."""
 
         async def go(store):
             kv, _ = await store.get(self.keys.round)
-            current = decode(RoundHeader, kv.value).round if kv else 0
-            if kv is None or current != self.round_no:
+            header = decode(RoundHeader, kv.value) if kv else None
+            if not self._ours(header):
                 raise RoundChanged(
-                    f"Round {self.round_no} was replaced by round {current} before checkpoint step "
-                    f"{step} could become the latest."
+                    f"Round {self.round_no} was replaced by round {header.round if header else 0} before "
+                    f"checkpoint step {step} could become the latest."
                 )
+            fence = [Compare.mod_revision(self.keys.round, kv.mod_revision)]
+            if header.round != self.round_no:  # the boundary of a planned change: never move back
+                latest, _ = await store.get(self.key)
+                if latest is not None and json.loads(latest.value)["step"] >= step:
+                    raise RoundChanged(f"Round {self.round_no} ended at step {step}, but the job's latest "
+                                       f"checkpoint is already step {json.loads(latest.value)['step']}.")
+                fence.append(Compare.mod_revision(self.key, latest.mod_revision if latest else 0))
             body = json.dumps({"step": step, "round": self.round_no, "url": self.url, "time": time.time()})
-            res = await store.txn(
-                [Compare.mod_revision(self.keys.round, kv.mod_revision)], [Put(self.key, body.encode())]
-            )
+            res = await store.txn(fence, [Put(self.key, body.encode())])
             if not res.succeeded:
                 raise RoundChanged(f"The round changed while checkpoint step {step} was being committed.")
 

@@ -111,6 +111,10 @@ class RoundState:
     job_started: float = 0.0
     """Wall time the job's first round was written (carried from round to round)."""
     writer: str = ""
+    planned_from: int = 0
+    """The round this one replaced without a fault (a node joined or drained), else 0: that round's
+    workers end it at a step boundary and may still commit the checkpoint of that step
+    (:class:`ftrt.checkpoint.pointer.LatestPointer`)."""
 
 
 def round_state(rnd: RoundState) -> dict[str, Any]:

@@ -296,9 +296,9 @@ def _train_step(run: _Run, step: int, saves: Saves, last_step_s: float) -> _Step
     total_tokens, total_seqs = counts.tolist()
     loss_value, kl_sum = _update(run, batch, total_tokens, total_seqs, saves)
     # The cadence's inputs ride on this collective, so every rank decides on the same numbers.
-    # A node is joining: end this round after this step, saved in memory (the new round
-    # redoes nothing). Storage cannot take that save (its commit is fenced by the round that
-    # is ending), so without a memory tier the agent stops us at once, as before.
+    # A node is joining or draining: end this round after this step, saved in memory (the new
+    # round redoes nothing). Without a memory tier the agent stops us at once, as before (a
+    # storage save would be allowed to commit at this boundary, but costs a full write).
     ending_here = run.ck is not None and run.ck.has_memory_tier and run.rt.round_ending()
     sums = _all_reduce(torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum, float(ending_here),
                                      *run.cadence.report(last_step_s)], dtype=torch.float64), run.distributed)

@@ -15,6 +15,10 @@ Five lines in a training script::
   and, under ``ftrt launch``, moves the job's ``latest`` pointer in etcd, fenced by the round, so a
   worker of a round that has ended can never make its folder the latest. A folder without a valid
   manifest does not exist for :func:`resume_checkpoint`.
+- **Round ends**: when ftrt asks to end the round at a step boundary (a node joins or drains),
+  the ranks agree on it (one tiny all-reduce a step), the Trainer saves that step, ftrt commits
+  it (a planned change lets the ending round still commit) and the workers exit: the next round
+  resumes from that step with nothing redone.
 - **Resume**: :func:`resume_checkpoint` returns the newest committed folder whose every file
   matches its manifest (and that is not newer than ``latest``), else None: what to pass to
   ``trainer.train(resume_from_checkpoint=...)``. The Trainer's own files are pickles
@@ -58,7 +62,7 @@ import ftrt
 from ftrt.checkpoint.storage import parse_url, write_bytes
 from ftrt.data import ElasticSampler
 from ftrt.errors import CheckpointCorrupt, ConfigError, FtrtError
-from ftrt.integrations.commits import barrier, commit_folder, job_pointer, newest_committed
+from ftrt.integrations.commits import barrier, commit_folder, job_pointer, newest_committed, round_ends
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +88,7 @@ class FtrtCallback(TrainerCallback):
     def __init__(self, runtime: ftrt.Runtime | None = None) -> None:
         self.rt = runtime or ftrt.init()
         self._pointers: dict[str, object] = {}  # rank 0: one etcd connection per output_dir, kept
+        self._ending = False  # the round ends after this step's save (a node joins or drains)
 
     def _pointer_for(self, output_dir: str):
         if output_dir not in self._pointers:
@@ -92,6 +97,11 @@ class FtrtCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.rt.heartbeat(state.global_step)
+        if state.global_step < state.max_steps and round_ends(self.rt):
+            # A planned change: save this step (committed, though the next round is written) and
+            # leave; the next round resumes from it with nothing redone.
+            self._ending = True
+            control.should_save = True
         return control
 
     def on_save(self, args, state, control, **kwargs):
@@ -100,6 +110,8 @@ class FtrtCallback(TrainerCallback):
             commit_folder(args.output_dir, _folder(state.global_step), state.global_step, self.rt.world_size,
                           trainer="transformers", round_no=self.rt.round, pointer=self._pointer_for(args.output_dir))
         barrier()  # no rank goes on before the commit (or its failure) is settled
+        if self._ending:
+            self.rt.exit_for_round()
         return control
 
     def on_train_end(self, args, state, control, **kwargs):

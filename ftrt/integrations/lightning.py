@@ -25,6 +25,9 @@ plain ``DataLoader``'s position. With this module a training script changes in f
   match their manifest and that is not newer than ``latest`` (else None), what to pass to
   ``trainer.fit(ckpt_path=...)``. :func:`model_checkpoint` is the ``ModelCheckpoint`` that names
   folders so, and that replaces a stale folder of a redone step rather than saving beside it.
+- **Round ends** (a node joins or drains): the ranks agree on it after a step (one tiny
+  all-reduce a step), that step is saved and committed (a planned change lets the ending round
+  still commit), and the workers leave; the next round resumes from it with nothing redone.
 - **Heartbeats and state** (:class:`FtrtCallback`): ``global_step`` is reported to the node's agent
   every batch, and ``done`` once ``fit`` has finished (after the last commit). Every checkpoint
   holds every rank's random states (torch, CUDA when in use, Python, NumPy; gathered to rank 0 as
@@ -85,7 +88,7 @@ from ftrt.checkpoint.pointer import LatestPointer
 from ftrt.checkpoint.storage import MANIFEST, parse_url
 from ftrt.data import ElasticSampler
 from ftrt.errors import CheckpointCorrupt, ConfigError
-from ftrt.integrations.commits import commit_folder, distributed, job_pointer, newest_committed
+from ftrt.integrations.commits import commit_folder, distributed, job_pointer, newest_committed, round_ends
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +289,7 @@ class FtrtCallback(Callback):
         self._saved_samplers: list[dict[str, Any]] | None = None  # from the checkpoint, for on_train_start
         self._rng_at_batch: torch.Tensor | int | None = None  # a row or a seed, for the first batch
         self._epoch_end = False  # the last batch trained ended its epoch
+        self._ending = False  # ftrt asked to end the round: save this step and leave at the next batch
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer = trainer  # rank, world and device for state_dict / load_state_dict
@@ -324,6 +328,8 @@ class FtrtCallback(Callback):
             self._saved_samplers = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self._ending:
+            self._end_round(trainer)
         if self._rng_at_batch is not None:
             self._restore_rng(self._rng_at_batch, trainer.global_step, trainer.global_rank)
             self._rng_at_batch = None
@@ -333,6 +339,24 @@ class FtrtCallback(Callback):
             sampler.advance()
         self._epoch_end = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         self.rt.heartbeat(trainer.global_step)
+        last = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
+        self._ending = not last and round_ends(self.rt)
+
+    def _end_round(self, trainer) -> None:
+        """A planned change (a node joins or drains): this step is saved, after ``ModelCheckpoint``
+        had its turn (it runs after this callback), committed, and every worker leaves; the next
+        round resumes from it with nothing redone. Without ftrt's checkpoint IO nothing is saved
+        here and the agent stops the workers after its boundary timeout, as before."""
+        io, cb = trainer.strategy.checkpoint_io, trainer.checkpoint_callback
+        if not isinstance(io, FtrtCheckpointIO) or cb is None or cb.dirpath is None:
+            self._ending = False
+            return
+        step = trainer.global_step
+        if getattr(cb, "_last_global_step_saved", -1) != step:
+            trainer.save_checkpoint(os.path.join(cb.dirpath, _folder(step)))
+        io.flush()  # committed before anyone leaves
+        trainer.strategy.barrier("ftrt-round-end")
+        self.rt.exit_for_round()
 
     def on_train_end(self, trainer, pl_module) -> None:
         io = trainer.strategy.checkpoint_io

@@ -19,11 +19,11 @@ from ftrt.errors import CheckpointSaveFailed
 from ftrt.store.etcd import EtcdStore
 
 
-def set_round(endpoint: str, job: str, n: int) -> None:
+def set_round(endpoint: str, job: str, n: int, planned_from: int = 0) -> None:
     async def go():
         store = EtcdStore(endpoint)
         try:
-            rec = RoundHeader(round=n, groups=(GroupRef(1, 1, n),), first="a")
+            rec = RoundHeader(round=n, groups=(GroupRef(1, 1, n),), first="a", planned_from=planned_from)
             await store.put(JobKeys(job).round, encode(rec))
         finally:
             await store.close()
@@ -50,6 +50,36 @@ def test_current_round_moves_the_pointer_and_a_stale_round_cannot(tmp_path, etcd
             h.wait()
     assert ptr1.latest() == 10
     assert not (tmp_path / "ck" / step_dir(11) / "manifest.json").exists()
+
+
+def test_a_round_ended_by_a_planned_change_may_commit_its_boundary_step_but_never_move_latest_back(
+        etcd_endpoint, job_id, tmp_path):
+    from ftrt.errors import RoundChanged
+
+    set_round(etcd_endpoint, job_id, 1)
+    old = LatestPointer(etcd_endpoint, job_id, 1, str(tmp_path))
+    new = LatestPointer(etcd_endpoint, job_id, 2, str(tmp_path))
+    try:
+        old.commit(10)
+        set_round(etcd_endpoint, job_id, 2, planned_from=1)  # a node joined or drained
+        old.check_round()
+        old.commit(11)  # the step round 1 ended at: committed though round 2 is current
+        assert old.latest() == 11
+        new.commit(12)
+        with pytest.raises(RoundChanged, match="already step 12"):
+            old.commit(11)  # a late boundary commit never moves latest back
+        set_round(etcd_endpoint, job_id, 3, planned_from=2)
+        with pytest.raises(RoundChanged):
+            old.check_round()  # only the round right after ours
+        set_round(etcd_endpoint, job_id, 4)  # a fault: no boundary for round 3's workers
+        third = LatestPointer(etcd_endpoint, job_id, 3, str(tmp_path))
+        with pytest.raises(RoundChanged):
+            third.commit(13)
+        third.close()
+        assert new.latest() == 12
+    finally:
+        old.close()
+        new.close()
 
 
 def test_restore_ignores_a_manifest_above_the_pointer(tmp_path, etcd_endpoint, job_id):

@@ -127,10 +127,21 @@ def test_the_example_runs_alone_without_ftrt_launch(tmp_path):
     assert sorted(_losses(tmp_path / "m.jsonl")) == [1, 2, 3]
 
 
-def test_a_lost_node_shrinks_the_elastic_trainer_which_trains_every_global_batch_exactly_once(tmp_path, etcd_endpoint,
-                                                                                              job_id):
+def _elastic_order() -> dict[int, list[int]]:
+    """Step -> the sample ids the example's ElasticSampler order trains (64 samples, --global-batch 6, seed 0)."""
     from ftrt.data import ElasticSampler
 
+    order = ElasticSampler(64, 6, seed=0)
+    per_epoch = order.epoch_samples // order.global_batch
+    want = {}
+    for step in range(1, STEPS + 1):
+        epoch, k = divmod(step - 1, per_epoch)
+        want[step] = order.ledger(epoch, k * order.global_batch)
+    return want
+
+
+def test_a_lost_node_shrinks_the_elastic_trainer_which_trains_every_global_batch_exactly_once(tmp_path, etcd_endpoint,
+                                                                                              job_id):
     args = _job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, ELASTIC)
     ledger = tmp_path / "run-ledger.jsonl"
     nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
@@ -145,14 +156,28 @@ def test_a_lost_node_shrinks_the_elastic_trainer_which_trains_every_global_batch
     last = _ledger(ledger)
     worlds = [last[step][0]["world"] for step in sorted(last)]
     assert worlds[0] == 2 and worlds[-1] == 1 and worlds == sorted(worlds, reverse=True), worlds
-    order = ElasticSampler(64, 6, seed=0)  # the example's data order: 64 samples, --global-batch 6, seed 0
-    per_epoch = order.epoch_samples // order.global_batch
-    want = {}
-    for step in range(1, STEPS + 1):
-        epoch, k = divmod(step - 1, per_epoch)
-        want[step] = order.ledger(epoch, k * order.global_batch)
-    assert _trained(ledger) == want, "a sample was skipped or repeated"
+    assert _trained(ledger) == _elastic_order(), "a sample was skipped or repeated"
     assert "not bit-identical" in nodes["a"].log()  # the world-size change is announced
+
+
+def test_a_drained_node_ends_the_round_at_a_step_boundary_and_no_step_is_trained_twice(tmp_path, etcd_endpoint,
+                                                                                         job_id):
+    args = _job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, ELASTIC)
+    ledger = tmp_path / "run-ledger.jsonl"
+    nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
+    try:
+        wait_until(lambda: sum(rows[0]["world"] == 2 for rows in _ledger(ledger).values()) >= 5, 180,
+                   "5 steps at world size 2")
+        nodes["b"].proc.send_signal(signal.SIGTERM)  # Kubernetes deletes b's pod
+        assert nodes["b"].wait(60) == 0, nodes["b"].log()[-3000:]
+        assert nodes["a"].wait(240) == 0, nodes["a"].log()[-3000:]
+    finally:
+        for n in nodes.values():
+            n.cleanup()
+    assert "ended at a step boundary" in nodes["a"].log(), nodes["a"].log()[-3000:]
+    logged = [json.loads(x)["step"] for x in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, STEPS + 1)), "a step was trained twice (or skipped)"
+    assert _trained(ledger) == _elastic_order(), "a sample was skipped or repeated"
 
 
 def test_without_the_elastic_sampler_a_world_size_change_repeats_samples(tmp_path, reference):

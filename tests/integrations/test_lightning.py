@@ -109,6 +109,31 @@ def test_a_lost_node_shrinks_the_world_and_trains_every_global_batch_once(tmp_pa
         assert [i for row in last for i in row["ids"]] == order.ledger(epoch, index * GLOBAL_BATCH), step
 
 
+def test_a_drained_node_ends_the_round_at_a_step_boundary_and_no_step_is_trained_twice(tmp_path, etcd_endpoint,
+                                                                                         job_id):
+    args = _job(tmp_path, "run", etcd_endpoint, job_id, nnodes="1:2", nproc=1, step_time=0.3)
+    nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
+    try:
+        wait_until(lambda: sum(r["world"] == 2 for r in _rows(tmp_path / "run.jsonl")) >= 6, 180,
+                   "6 steps at world size 2")
+        nodes["b"].proc.send_signal(signal.SIGTERM)  # Kubernetes deletes b's pod
+        assert nodes["b"].wait(60) == 0, nodes["b"].log()[-3000:]
+        assert nodes["a"].wait(240) == 0, nodes["a"].log()[-3000:]
+    finally:
+        for n in nodes.values():
+            n.cleanup()
+    assert "ended at a step boundary" in nodes["a"].log(), nodes["a"].log()[-3000:]
+    steps = [row["step"] for row in _rows(tmp_path / "run.jsonl")]
+    assert steps == list(range(1, STEPS + 1)), "a step was trained twice (or skipped)"
+    order = ElasticSampler(SAMPLES, GLOBAL_BATCH, seed=0)
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    trained: dict[int, list[int]] = {}
+    for row in sorted(_rows(tmp_path / "run.ledger"), key=lambda row: (row["step"], row["rank"])):
+        trained.setdefault(row["step"], []).extend(row["ids"])
+    assert trained == {step: order.ledger((step - 1) // per_epoch, (step - 1) % per_epoch * GLOBAL_BATCH)
+                       for step in range(1, STEPS + 1)}, "a sample was skipped or repeated"
+
+
 def test_resume_skips_a_checkpoint_whose_commit_never_happened_or_whose_file_changed(tmp_path, reference):
     from ftrt.errors import CheckpointCorrupt
     from ftrt.integrations.lightning import FtrtCheckpointIO, resume_checkpoint
