@@ -487,6 +487,10 @@ class Agent:
             if (hang := self._find_hang()) is not None:
                 await self._fail_round("hang", hang)
             if self.state is AgentState.FINISHED:
+                if self._drain is not None:
+                    self.log.info("draining after this node's workers finished: nothing to hand over; leaving")
+                    self._set_state(AgentState.STOPPED)
+                    return 0
                 if time.monotonic() > self._finished_at + self.cfg.exit_barrier_timeout:
                     self.log.warning("other members did not finish within %.0f s; exiting", self.cfg.exit_barrier_timeout)
                     self._set_state(AgentState.SUCCEEDED)
@@ -519,15 +523,15 @@ class Agent:
         self._set_state(AgentState.FENCED)
         self.metrics.fault("fenced")
         self._events.emit("fenced", f"{self.cfg.node_id} fenced itself: {reason}", evidence=reason)
-        while self.stop.signum is None:
+        while self.stop.signum is None and self._drain is None and self._drain_reason() is None:
             try:
                 await self._join()
                 break
             except (StoreError, LeaseLost) as exc:
                 self.log.warning("rejoining failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
-        if self.stop.signum is not None:
-            return  # stopped while fenced: the loop ends the agent
+        if self.stop.signum is not None or self._drain is not None or self._drain_reason() is not None:
+            return  # stopped or draining while fenced: its workers are gone already, the loop ends the agent
         self._set_state(AgentState.WAITING)
         self.log.info("rejoined as a new member")
 
@@ -669,14 +673,15 @@ class Agent:
         rnd = self.rdzv.view.round
         if rnd is None or rnd.round == self.worker_round:
             return
-        me = rnd.member(self.cfg.node_id)
-        included = rnd.active and me is not None and me.incarnation == self.membership.record.incarnation
-        if not included:
+        included = self._included(rnd)
+        if not included or self._drain is not None:  # a draining node starts no new workers
             if self.pool.running:
                 if self._worker_record is not None:
                     await self._end_at_boundary(self._worker_record, rnd)
                 await self.pool.stop_running(self.cfg.restart_grace)
-                self.log.info("round %d does not include this node (%s); workers stopped", rnd.round, rnd.reason)
+                self.log.info("round %d %s; workers stopped", rnd.round,
+                              f"does not include this node ({rnd.reason})" if not included
+                              else "was written before this node's drain was seen")
                 self._events.emit("workers_stopped", f"round {rnd.round} does not include {self.cfg.node_id}",
                                   round=rnd.round)
             self.worker_round = rnd.round
@@ -829,6 +834,9 @@ async def main(cfg: LaunchConfig, early: EarlyStart | None = None, store: Store 
             parts, server = await assemble(cfg, early=early, store=store, stack=stack)
             if stop.signum is not None:
                 return 128 + stop.signum
+            if stop.drain_asked:  # SIGTERM while starting: nothing to hand over, do not join
+                log.info("asked to drain before joining the job; leaving")
+                return 0
             agent = Agent(parts, stop)
             await serve(server, AgentServicer(agent, parts.mem_dir, parts.token))
             return await agent.run()

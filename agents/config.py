@@ -175,7 +175,7 @@ class LaunchConfig(BaseModel):
     @classmethod
     def _preemption_url(cls, v: Optional[str]) -> Optional[str]:
         if v is not None and not v.startswith(("http://", "https://")):
-            raise ValueError("give an http:// or https:// URL")
+            raise ValueError(f"{v!r} is not an http:// or https:// URL")
         return v
 
     @field_validator("checkpoint_key_file")

@@ -132,7 +132,7 @@ def _next_round(
         faults=(prev.faults if prev else 0) + (1 if fault else 0),
         reason=reason,
         job_started=prev.job_started if prev else 0.0,
-        planned_from=prev.round if prev is not None and prev.active and not fault else 0,
+        planned_since=(prev.planned_since or prev.round) if prev is not None and prev.active and not fault else 0,
     )
 
 
@@ -209,7 +209,7 @@ def decide_round(now: float, view: View, cfg: RendezvousConfig) -> Decision:
             members = pool[: cfg.max_nodes]
             # A member lost while the job waited is dropped here: that counts as a fault, as every
             # round that drops a member does (agents tell a pure join by an unchanged count).
-            dropped = any(not _alive(view, m) for m in cur.members)  # a drained member is no fault
+            dropped = any(not _alive(view, m) for m in cur.members)
             new = _next_round(cur, members, cfg, f"back to {len(members)} nodes", cur.restart_count, fault=dropped)
             return Decision(Action.WRITE_ROUND, new.reason, round=new)
         return _below_min(now, view, cfg, len(pool))

@@ -32,16 +32,16 @@ async def request_drain(endpoints: str, job_id: str, node_id: str, *, reason: st
         if kv is None:
             raise FtrtError(f"No node {node_id!r} is registered in job {job_id!r}: `ftrt status --etcd {endpoints} "
                             f"--job-id {job_id}` lists its nodes.")
-        node = decode(NodeRecord, kv.value)
+        node = decode(NodeRecord, kv.value, lease=kv.lease)
         req = DrainRequest(node_id=node_id, incarnation=node.incarnation, reason=reason, time=time.time())
-        await store.put(keys.drain(node_id), encode(req))
+        await store.put(keys.drain(node_id), encode(req), lease=node.lease)  # goes when the node does
         if wait <= 0:
             return f"asked {node_id} (incarnation {node.incarnation}) to drain"
         t0 = time.monotonic()
         while time.monotonic() - t0 < wait:
             kv, _ = await store.get(keys.node(node_id))
             if kv is None or decode(NodeRecord, kv.value).incarnation != node.incarnation:
-                return f"{node_id} drained and left the job in {time.monotonic() - t0:.1f} s"
+                return f"{node_id} left the job {time.monotonic() - t0:.1f} s after the request (its log says how)"
             await asyncio.sleep(0.2)
         raise FtrtError(f"{node_id} was asked to drain but is still registered after {wait:g} s: its agent may be "
                         "an older ftrt, or busy past its --drain-timeout; `ftrt status` shows the job.")

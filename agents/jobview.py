@@ -304,5 +304,5 @@ class JobView:
         if rec.ready and node_id not in view.ready_since:
             view.ready_since[node_id] = now
             view.changed_at = now
-        if old is not None and old.done_round != rec.done_round:
-            view.changed_at = now
+        if old is not None and (old.done_round != rec.done_round or old.leaving != rec.leaving):
+            view.changed_at = now  # a drain settles like any change: nodes leaving together leave in one round

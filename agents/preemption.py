@@ -36,8 +36,8 @@ def _poll_url(url: str, timeout: float) -> str | None:
             body = resp.read(4096)
             return f"{url} answered {body[:80].decode(errors='replace').strip()!r}" \
                 if is_notice(resp.status, body) else None
-    except urllib.error.HTTPError as exc:
-        return None if exc.code != 200 else None
+    except urllib.error.HTTPError:
+        return None  # AWS answers 404 until a notice
     except (urllib.error.URLError, OSError, ValueError) as exc:
         log.debug("preemption URL %s: %s", url, exc)
         return None

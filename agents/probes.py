@@ -3,11 +3,13 @@
 Kubernetes (and any load balancer) asks two questions, answered here from the agent's state by
 one pure function, :func:`judge`:
 
-- **live**: the agent runs and holds its session (its lease is renewed; it is not fenced or
-  stopping). A probe that fails this should restart the pod.
-- **ready** (the issue's SERVING): live, and this node's workers run in the job's current round. A
-  spare waiting to be admitted, a node whose round is being replaced, or one that drains is alive
-  but not ready; that must not restart it.
+- **live**: the agent runs and is not stopping. An agent that lost its session (etcd away longer
+  than its lease: it fenced itself) is live: it rejoins by itself when etcd is back, and restarting
+  every pod during an etcd outage would only make the outage worse. A probe that fails this should
+  restart the pod.
+- **ready** (the issue's SERVING): live, holding its session, and this node's workers run in the
+  job's current round. A spare waiting to be admitted, a node whose round is being replaced, a
+  fenced one or one that drains is alive but not ready; that must not restart it.
 
 The agent's gRPC server answers ``grpc.health.v1.Health`` (``grpcio-health-checking``): service
 ``""`` (what a probe without ``service`` asks) is *ready*, service ``"liveness"`` is *live*. With
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ftrt.agents.states import AgentState
+from ftrt.errors import ConfigError
 
 LIVENESS = "liveness"
 """The gRPC health service name that answers liveness (``""`` answers readiness)."""
@@ -32,8 +35,12 @@ LIVENESS = "liveness"
 
 @dataclass(frozen=True)
 class Probe:
+    """The answer to both probes, and why."""
+
     live: bool
+    """The agent runs and is not stopping (``liveness``, ``/healthz``)."""
     ready: bool
+    """Live, with a session, and its workers train in the current round (``""``, ``/readyz``)."""
     detail: str
     """Why, in a few words (the HTTP body)."""
 
@@ -42,10 +49,11 @@ def judge(state: AgentState, *, registered: bool, expired: bool, draining: bool,
           current_round: int | None) -> Probe:
     """The probes' answer for an agent in ``state`` (see the module docstring). ``in_round``: this
     node is a member of the job's current round, which is active."""
-    if state.terminal or state is AgentState.FENCED or not registered or expired:
-        why = {AgentState.FENCED: "fenced: its lease was lost"}.get(state) or (
-            f"agent {state.value}" if state.terminal else "no live session with etcd")
-        return Probe(False, False, why)
+    if state.terminal:
+        return Probe(False, False, f"agent {state.value}")
+    if state is AgentState.FENCED or not registered or expired:
+        return Probe(True, False, "fenced: its lease was lost; rejoining" if state is AgentState.FENCED
+                     else "no live session with etcd")
     if draining:
         return Probe(True, False, "draining: leaving the job")
     if state is AgentState.RUNNING and in_round:
@@ -98,7 +106,11 @@ class Probes:
             def log_message(self, *args):
                 pass
 
-        self._http = http.server.ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._http = http.server.ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:
+            raise ConfigError(f"--health-port {port}: cannot listen on {host}:{port} ({exc.strerror}); choose a "
+                              "free port, or 0 for any.") from None
         self._http.daemon_threads = True
         threading.Thread(target=self._http.serve_forever, name="ftrt-health-http", daemon=True).start()
         return self._http.server_address[1]

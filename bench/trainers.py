@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # trainer -> (example module, its save-interval option, the flags that leave ftrt out)
@@ -34,20 +35,32 @@ TRAINERS = {
 NEEDS = {"hf": "accelerate", "trl": "trl", "lightning": "pytorch_lightning"}
 
 
-def _run(trainer: str, system: str, save_steps: int, steps: int, work: Path) -> float:
+LOGS = Path(__file__).resolve().parent / "results" / "logs"
+"""A failed run's whole output is kept here (the bench retries it once)."""
+
+
+def _run(trainer: str, system: str, save_steps: int, steps: int, work: Path, failures: list[str]) -> float:
     module, save_flag, plain = TRAINERS[trainer]
     out, metrics = work / f"{trainer}-{system}-out", work / f"{trainer}-{system}.jsonl"
-    shutil.rmtree(out, ignore_errors=True)
-    metrics.unlink(missing_ok=True)
     script = ["-m", module, "--out", str(out), "--steps", str(steps), save_flag, str(save_steps),
               "--metrics", str(metrics)]
     if system == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script, *plain]
     else:
         cmd = [sys.executable, "-m", "ftrt.cli.main", "launch", "--standalone", "--nproc-per-node", "2", *script]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if res.returncode != 0:
-        raise RuntimeError(f"{trainer} under {system} failed: {res.stderr[-2000:]}")
+    for attempt in range(2):
+        shutil.rmtree(out, ignore_errors=True)
+        metrics.unlink(missing_ok=True)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if res.returncode == 0:
+            break
+        LOGS.mkdir(parents=True, exist_ok=True)
+        log = LOGS / f"trainers-{trainer}-{system}-{time.strftime('%H%M%S')}.log"
+        log.write_text(res.stdout + res.stderr)
+        failures.append(f"{trainer} under {system} (saves every {save_steps}) exited {res.returncode}; output in {log}")
+        print(f"  {failures[-1]}{'; retrying' if attempt == 0 else ''}", flush=True)
+    else:
+        raise RuntimeError(f"{trainer} under {system} failed twice: {failures[-1]}")
     times = [json.loads(x)["time"] for x in metrics.read_text().splitlines()]
     gaps = [b - a for a, b in zip(times[4:], times[5:])]
     return statistics.median(gaps)
@@ -66,6 +79,7 @@ def main(argv: list[str]) -> int:
     if unknown:
         p.error(f"--trainer {','.join(unknown)}: give some of {', '.join(TRAINERS)}")
     res: dict = {}
+    failures: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for trainer in trainers:
@@ -76,7 +90,7 @@ def main(argv: list[str]) -> int:
                 rows = {"torchrun": [], "ftrt": []}
                 for r in range(args.reps):  # interleaved, the order flipped every repeat
                     for system in (("torchrun", "ftrt") if r % 2 == 0 else ("ftrt", "torchrun")):
-                        rows[system].append(_run(trainer, system, save, args.steps, work))
+                        rows[system].append(_run(trainer, system, save, args.steps, work, failures))
                 ratios = [f / t for f, t in zip(rows["ftrt"], rows["torchrun"])]
                 res.setdefault(trainer, {})[f"save_every_{save}"] = {
                     **rows, "ratios": ratios, "median_ratio": statistics.median(ratios)}
@@ -84,6 +98,8 @@ def main(argv: list[str]) -> int:
                       f"{statistics.median(rows['torchrun']) * 1000:.1f} ms/step, ftrt "
                       f"{statistics.median(rows['ftrt']) * 1000:.1f} ms/step; pairs "
                       f"{', '.join(f'{x:.3f}' for x in ratios)} (median {statistics.median(ratios):.3f})", flush=True)
+    if failures:
+        res["failed_runs"] = failures  # retried; each one's whole output is in bench/results/logs
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))
     return 0

@@ -37,9 +37,9 @@ ROLLOUT_KINDS = {"kill_rollout", "freeze_rollout", "add_rollout"}
 STORM_KINDS = ("kill_worker", "kill_node", "freeze_worker", "freeze_node", "partition_node", "stop_etcd",
                "storage_outage", "storage_slow", "kill_rollout", "freeze_rollout", "add_rollout", "drain_node",
                "preempt_node")
+"""What a storm may draw (each only where the cluster supports it)."""
 PLANNED_KINDS = {"drain_node", "preempt_node"}
 """Planned departures: the job must redo no step for them (invariant ``nothing_redone``)."""
-"""What a storm may draw (each only where the cluster supports it)."""
 
 
 DEFAULT_FAULTY_MTBF_S = 60.0

@@ -6,10 +6,11 @@ worker of an older round (say, of a node that froze and thawed) therefore can ne
 checkpoint the latest; its manifest is withdrawn again. At restore, checkpoints newer than the
 pointer are not trusted.
 
-One exception: when the next round replaced ours *without a fault* (a node joined or drained; the
-round header's ``planned_from`` names ours), our workers are ending the round at a step boundary
-on their agents' request, and the checkpoint of that step may still become the latest, provided
-it is newer than the latest (the transaction also compares ``latest`` itself, so the pointer
+One exception: when the rounds after ours replaced it *without a fault* (nodes joined or drained;
+the current round header's ``planned_since`` is ours or older), our workers are ending our round
+at a step boundary on their agents' request, and the checkpoint of that step may still become the
+latest: until the next round's workers start (its master record is absent, compared in the
+transaction) and only if it is newer than the latest (``latest`` is compared too, so the pointer
 never moves back).
 
 The checkpointer's threads are synchronous: the pointer keeps one event loop on a daemon thread
@@ -66,10 +67,10 @@ class LatestPointer:
         self._loop.close()
 
     def _ours(self, header: RoundHeader | None) -> bool:
-        """Whether ``header`` (the job's current round) lets our round commit: it is ours, or it
-        replaced ours without a fault (our workers end our round at a step boundary)."""
+        """Whether ``header`` (the job's current round) lets our round commit: it is ours, or only
+        planned changes replaced ours (our workers end our round at a step boundary)."""
         return header is not None and (header.round == self.round_no or (
-            header.round == self.round_no + 1 and header.planned_from == self.round_no > 0))
+            header.round > self.round_no and 0 < header.planned_since <= self.round_no))
 
     def check_round(self) -> None:
         """Raise :class:`RoundChanged` if our round may no longer commit (see :meth:`_ours`)."""
@@ -97,7 +98,9 @@ class LatestPointer:
                     f"checkpoint step {step} could become the latest."
                 )
             fence = [Compare.mod_revision(self.keys.round, kv.mod_revision)]
-            if header.round != self.round_no:  # the boundary of a planned change: never move back
+            if header.round != self.round_no:  # the boundary of a planned change: never move back,
+                # and only before a later round's workers start (they publish its master record)
+                fence += [Compare.mod_revision(self.keys.master(r), 0) for r in range(self.round_no + 1, header.round + 1)]
                 latest, _ = await store.get(self.key)
                 if latest is not None and json.loads(latest.value)["step"] >= step:
                     raise RoundChanged(f"Round {self.round_no} ended at step {step}, but the job's latest "

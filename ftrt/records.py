@@ -102,19 +102,20 @@ class RoundState:
     restart_count: int = 0
     """Restarts caused by worker failures so far (membership changes do not count)."""
     faults: int = 0
-    """Rounds caused by a fault so far (a lost member or a worker failure; joins do not count):
-    with :attr:`job_started`, the job's observed fault rate (checkpoint cadence reads it). Every
-    round that drops a member of the one before counts one."""
+    """Rounds caused by a fault so far (a lost member or a worker failure; joins and drains do not
+    count): with :attr:`job_started`, the job's observed fault rate (checkpoint cadence reads it).
+    Every round that drops a member of the one before counts one, but for a drained member."""
     reason: str = ""
     created: float = 0.0
     """Wall time the round was written."""
     job_started: float = 0.0
     """Wall time the job's first round was written (carried from round to round)."""
     writer: str = ""
-    planned_from: int = 0
-    """The round this one replaced without a fault (a node joined or drained), else 0: that round's
-    workers end it at a step boundary and may still commit the checkpoint of that step
-    (:class:`ftrt.checkpoint.pointer.LatestPointer`)."""
+    planned_since: int = 0
+    """The first round of the unbroken run of planned changes (joins, drains) that led to this one,
+    else 0 (this round followed a fault, or is the first): the workers of those rounds end them at
+    a step boundary and may still commit the checkpoint of that step, until this round's workers
+    start (:class:`ftrt.checkpoint.pointer.LatestPointer`)."""
 
 
 def round_state(rnd: RoundState) -> dict[str, Any]:
@@ -218,8 +219,11 @@ class DrainRequest:
 
     node_id: str
     incarnation: str
+    """Only this incarnation drains: the same node id started again later is a new member."""
     reason: str = ""
+    """Said in the node's log and the job's events."""
     time: float = 0.0
+    """Wall time of the request."""
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,7 @@ class LocalRound:
     created = property(lambda self: self.header.created)
     job_started = property(lambda self: self.header.job_started)
     writer = property(lambda self: self.header.writer)
+    planned_since = property(lambda self: self.header.planned_since)
     first = property(lambda self: self.header.first, doc="Member 0's node id.")
     world_size = property(lambda self: self.header.world_size)
     node_count = property(lambda self: self.header.node_count)

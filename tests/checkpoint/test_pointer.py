@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ftrt.jobkeys import JobKeys
-from ftrt.records import GroupRef, RoundHeader, encode
+from ftrt.records import GroupRef, MasterRecord, RoundHeader, encode
 from ftrt.checkpoint import Checkpointer
 from ftrt.checkpoint.pointer import LatestPointer
 from ftrt.checkpoint.storage import step_dir
@@ -19,11 +19,11 @@ from ftrt.errors import CheckpointSaveFailed
 from ftrt.store.etcd import EtcdStore
 
 
-def set_round(endpoint: str, job: str, n: int, planned_from: int = 0) -> None:
+def set_round(endpoint: str, job: str, n: int, planned_since: int = 0) -> None:
     async def go():
         store = EtcdStore(endpoint)
         try:
-            rec = RoundHeader(round=n, groups=(GroupRef(1, 1, n),), first="a", planned_from=planned_from)
+            rec = RoundHeader(round=n, groups=(GroupRef(1, 1, n),), first="a", planned_since=planned_since)
             await store.put(JobKeys(job).round, encode(rec))
         finally:
             await store.close()
@@ -56,26 +56,35 @@ def test_a_round_ended_by_a_planned_change_may_commit_its_boundary_step_but_neve
         etcd_endpoint, job_id, tmp_path):
     from ftrt.errors import RoundChanged
 
+    def publish_master(n: int) -> None:  # round n's workers have started
+        async def go():
+            store = EtcdStore(etcd_endpoint)
+            try:
+                await store.put(JobKeys(job_id).master(n), encode(MasterRecord(n, "127.0.0.1", 1)))
+            finally:
+                await store.close()
+
+        asyncio.run(go())
+
     set_round(etcd_endpoint, job_id, 1)
     old = LatestPointer(etcd_endpoint, job_id, 1, str(tmp_path))
-    new = LatestPointer(etcd_endpoint, job_id, 2, str(tmp_path))
+    new = LatestPointer(etcd_endpoint, job_id, 3, str(tmp_path))
     try:
         old.commit(10)
-        set_round(etcd_endpoint, job_id, 2, planned_from=1)  # a node joined or drained
+        set_round(etcd_endpoint, job_id, 2, planned_since=1)  # a node joined or drained
+        set_round(etcd_endpoint, job_id, 3, planned_since=1)  # and another, at once
         old.check_round()
-        old.commit(11)  # the step round 1 ended at: committed though round 2 is current
+        old.commit(11)  # the step round 1 ended at: committed though round 3 is current
         assert old.latest() == 11
         new.commit(12)
         with pytest.raises(RoundChanged, match="already step 12"):
             old.commit(11)  # a late boundary commit never moves latest back
-        set_round(etcd_endpoint, job_id, 3, planned_from=2)
+        publish_master(3)
         with pytest.raises(RoundChanged):
-            old.check_round()  # only the round right after ours
+            old.commit(13)  # round 3's workers have started: round 1 commits nothing more
         set_round(etcd_endpoint, job_id, 4)  # a fault: no boundary for round 3's workers
-        third = LatestPointer(etcd_endpoint, job_id, 3, str(tmp_path))
         with pytest.raises(RoundChanged):
-            third.commit(13)
-        third.close()
+            new.check_round()
         assert new.latest() == 12
     finally:
         old.close()

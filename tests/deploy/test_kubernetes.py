@@ -69,7 +69,7 @@ def _launch_config(container: dict, tmp_path: Path):
     the mounted files stood in for."""
     from ftrt.store.certs import tls_dir
 
-    env = {"POD_NAME": "ftrt-trainer-0", "POD_IP": "10.1.2.3", "FTRT_JOB_ID": "grpo-1"}
+    env = {"POD_NAME": "ftrt-trainer-0", "POD_IP": "10.1.2.3", "JOB_ID": "grpo-1"}
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
     files = tls_dir(tmp_path / "tls")  # the Secret's files: ca.crt, client.crt, client.key
     for flag, stand_in in (("--etcd-cacert", files.ca), ("--etcd-cert", files.client_cert()),

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -82,15 +81,13 @@ def test_slurm_s_sigterm_before_the_time_limit_drains_every_node_and_the_job_end
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         wait_until(lambda: sum(x["world"] == 2 for x in _steps(tmp_path / "p.jsonl")) >= 5, 120, "steps at world 2")
-        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)  # --signal=B:TERM@120: Slurm signals the batch shell
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=100)  # the script's --drain-timeout
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     assert out.count("draining (SIGTERM)") == 2 and out.count("drained in") == 2, out[-3000:]
-    assert time.monotonic() - t0 < 30  # well within the 120 s Slurm gives
     steps = [x["step"] for x in _steps(tmp_path / "p.jsonl")]
     saved = json.loads((tmp_path / "ck.json").read_text())["step"]
     assert saved == max(steps)  # the last step trained is the one saved: a requeued job redoes nothing
