@@ -27,6 +27,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from ftrt.examples.hf_trainer import LossLog  # the same {"step", "loss", "grad_norm", "time"} lines
+
 CHARS = "abcdefghijklmnopqrstuvwxyz ."
 PROMPTS = [f"say {w}." for w in "aa ab ba bb ca ac cc da ad dd ea ae ee fa af ff".split()]
 
@@ -67,18 +69,6 @@ class Ledger(TrainerCallback):
     def __call__(self, prompts: list[str], completions: list[str], trainer_state=None, **_) -> list[float]:
         self._write({"step": trainer_state.global_step, "prompts": prompts})
         return [0.0] * len(completions)
-
-
-class LossLog(TrainerCallback):
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.path and state.is_world_process_zero and logs and "loss" in logs:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": state.global_step, "loss": logs["loss"],
-                                    "grad_norm": logs.get("grad_norm"), "time": time.time()}) + "\n")
-        return control
 
 
 class Hold(TrainerCallback):

@@ -3,7 +3,6 @@ files, a real etcd for the round fence, and 2 ranks on gloo under ``ftrt launch`
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -17,9 +16,7 @@ from ftrt.checkpoint.pointer import LatestPointer
 from ftrt.checkpoint.signing import CheckpointKey
 from ftrt.checkpoint.storage import step_dir
 from ftrt.errors import CheckpointCorrupt, RoundChanged
-from ftrt.jobkeys import JobKeys
-from ftrt.store.etcd import EtcdStore
-from tests.checkpoint.test_pointer import set_round
+from tests.checkpoint.test_pointer import latest_record, set_round
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP warns when no process group is up
 
@@ -136,15 +133,7 @@ def test_two_ranks_under_ftrt_launch_commit_move_the_job_pointer_and_resume(tmp_
         assert res.returncode == 0, res.stderr[-3000:]
     assert "rank 0 from 3 w [6.0, 6.0, 6.0, 6.0]" in res.stdout + res.stderr
 
-    async def latest():
-        store = EtcdStore(etcd_endpoint)
-        try:
-            kv, _ = await store.get(JobKeys(job_id).ckpt + "latest")
-            return json.loads(kv.value)
-        finally:
-            await store.close()
-
-    ptr = asyncio.run(latest())
+    ptr = latest_record(etcd_endpoint, job_id)
     assert ptr["step"] == 6 and ptr["url"] == url
     manifest = json.loads((tmp_path / "ck" / step_dir(6) / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["round"] == ptr["round"]

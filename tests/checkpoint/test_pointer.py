@@ -31,6 +31,19 @@ def set_round(endpoint: str, job: str, n: int, planned_since: int = 0) -> None:
     asyncio.run(go())
 
 
+def latest_record(endpoint: str, job: str) -> dict:
+    """The job's ``latest`` pointer as stored in etcd."""
+    async def go():
+        store = EtcdStore(endpoint)
+        try:
+            kv, _ = await store.get(JobKeys(job).ckpt + "latest")
+            return json.loads(kv.value)
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
 def hooks(ptr: LatestPointer) -> dict:
     return dict(pre_commit=ptr.check_round, on_commit=ptr.commit, latest_limit=ptr.latest, round_no=ptr.round_no)
 
@@ -132,13 +145,5 @@ def test_checkpointer_from_the_runtime_moves_the_job_pointer(tmp_path, etcd_endp
     )
     assert res.returncode == 0, res.stderr[-3000:]
 
-    async def latest():
-        store = EtcdStore(etcd_endpoint)
-        try:
-            kv, _ = await store.get(JobKeys(job_id).ckpt + "latest")
-            return json.loads(kv.value)
-        finally:
-            await store.close()
-
-    ptr = asyncio.run(latest())
+    ptr = latest_record(etcd_endpoint, job_id)
     assert ptr["step"] == 3 and ptr["round"] == 1 and ptr["url"] == url
