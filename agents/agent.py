@@ -700,7 +700,7 @@ class Agent:
         if self._drain is not None:
             timeout = max(0.0, min(timeout, self._drain.deadline - time.monotonic()))
         t0 = time.monotonic()
-        self._round_end.request(old.round)
+        self._round_end.request(old.round, durable=not new.active)
         if await self.pool.wait_exited(polling, timeout):
             self.log.info("round %d ended at a step boundary (step %s) in %.0f ms: its workers saved and stopped",
                           old.round, max(w.step for w in polling), (time.monotonic() - t0) * 1000)

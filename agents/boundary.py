@@ -13,6 +13,10 @@ step since the last memory checkpoint, which with an ``auto`` cadence can be man
 3. The agent waits for the workers that said they poll, at most :func:`boundary_timeout`, then
    stops whatever still runs as it would for a fault. A script that never polls is stopped at once.
 
+When the next round is inactive (a drain took the job below its minimum, or every node leaves at
+once: a time limit), no member keeps a memory copy for it: the request is *durable*, and the
+save should go to storage (:meth:`ftrt.Runtime.round_end_durable`).
+
 Only a planned change (:func:`planned_change`) ends a round this way: after a fault the old round's
 collectives cannot complete, so its workers are stopped at once.
 
@@ -30,7 +34,7 @@ from ftrt.roster import LocalRound
 ENV = envnames.ROUND_END_FILE
 """Environment variable with the round-end file's path, set for every worker of an agent."""
 
-_FMT = "<qqq"  # the highest round asked to end, draining (0/1), generation
+_FMT = "<qqqq"  # the highest round asked to end, draining (0/1), the highest asked to end durably, generation
 
 
 class RoundEndWriter:
@@ -40,17 +44,25 @@ class RoundEndWriter:
         self.path = path
         self._round = 0
         self._draining = 0
-        self._record = MappedWriter(path, _FMT, 0, 0)
+        self._durable = 0
+        self._record = MappedWriter(path, _FMT, 0, 0, 0)
 
-    def request(self, round_no: int) -> None:
-        """Ask the workers of ``round_no`` (and older) to stop at their next step boundary."""
+    def request(self, round_no: int, *, durable: bool = False) -> None:
+        """Ask the workers of ``round_no`` (and older) to stop at their next step boundary;
+        ``durable``: their save must go to storage (the next round is inactive: the job waits or
+        stops, and no memory copy may outlive the nodes)."""
         self._round = max(self._round, round_no)
-        self._record.write(self._round, self._draining)
+        if durable:
+            self._durable = max(self._durable, round_no)
+        self._write()
 
     def drain(self) -> None:
         """Tell the workers that this node is leaving the job."""
         self._draining = 1
-        self._record.write(self._round, self._draining)
+        self._write()
+
+    def _write(self) -> None:
+        self._record.write(self._round, self._draining, self._durable)
 
     def close(self) -> None:
         self._record.close()
@@ -63,8 +75,10 @@ class RoundEndReader:
         self._record = MappedReader(path, _FMT)
 
     def ending(self, round_no: int) -> bool:
-        requested, _, _ = self._record.read()
-        return requested >= round_no > 0
+        return self._record.read()[0] >= round_no > 0
+
+    def durable(self, round_no: int) -> bool:
+        return self._record.read()[2] >= round_no > 0
 
     def draining(self) -> bool:
         return self._record.read()[1] == 1

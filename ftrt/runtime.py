@@ -114,6 +114,13 @@ class Runtime:
             self.report(reports.boundary())
         return self._round_end.ending(self.round)
 
+    def round_end_durable(self) -> bool:
+        """Whether the round that :meth:`round_ending` ends must be saved to storage, not only in
+        memory: the next round is inactive (a drain took the job below its minimum, or every node
+        is leaving, e.g. at a time limit), so no memory copy would outlive the nodes. Agree on it
+        as on :meth:`round_ending`. Outside ``ftrt launch`` always False."""
+        return self._round_end is not None and self._round_end.durable(self.round)
+
     def draining(self) -> bool:
         """Whether this worker's node is leaving the job gracefully (SIGTERM to its agent, a
         preemption notice, ``ftrt drain``).

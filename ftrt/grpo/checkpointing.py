@@ -80,9 +80,9 @@ class Cadences:
             cadence.update(step_s=step_s / world, save_cost_s=total / n if n else None,
                            faults=self.rt.faults, elapsed_s=age / world)
 
-    def decide(self, done: int, steps: int, *, round_ends: bool) -> "SaveDecision":
+    def decide(self, done: int, steps: int, *, round_ends: bool, durable: bool = False) -> "SaveDecision":
         """What to save once ``done`` of ``steps`` steps are trained (see :func:`decide_save`)."""
-        return decide_save(done, steps, checkpointing=self._checkpointing, round_ends=round_ends,
+        return decide_save(done, steps, checkpointing=self._checkpointing, round_ends=round_ends, durable=durable,
                            storage_due=self.storage.due(done), memory_due=self.memory.due(done))
 
 
@@ -104,15 +104,17 @@ class SaveDecision:
 
 
 def decide_save(done: int, steps: int, *, checkpointing: bool, round_ends: bool, storage_due: bool,
-                memory_due: bool) -> SaveDecision:
+                memory_due: bool, durable: bool = False) -> SaveDecision:
     """The save due once ``done`` of ``steps`` steps are trained.
 
-    The last step is always saved to storage. A round that ends after this step (a node joins)
-    ends with a save kept in memory: storage cannot take it (its commit is fenced by the round
-    that is ending). Slow storage must not slow training, so a save that would queue behind an
+    The last step is always saved to storage. A round that ends after this step (a node joins or
+    drains) ends with a save kept in memory, which is enough for the next round; ``durable``
+    (the next round is inactive: the job waits or stops, and the memory copies may leave with
+    the nodes) makes it a storage save, which the round fence accepts at a planned change's
+    boundary. Slow storage must not slow training, so a save that would queue behind an
     unfinished one is skipped; the final one, and the one a round ends with, never are.
     """
-    persist = checkpointing and not round_ends and (storage_due or done == steps)
+    persist = checkpointing and (round_ends and durable or not round_ends and (storage_due or done == steps))
     keep = persist or round_ends or (checkpointing and memory_due)
     return SaveDecision(persist=persist, keep=keep, skip_if_busy=done < steps and not round_ends)
 

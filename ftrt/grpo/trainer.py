@@ -161,6 +161,8 @@ class _Step:
     parts: list[tuple[str, list[int]]]
     """Which node trained which prompts, in rank order."""
     round_ends: bool
+    round_end_durable: bool
+    """The round ends after this step with a storage save (the next round is inactive)."""
     """A node is joining: the round ends after this step (never after the last one)."""
     sampling: dict[str, Any]
     """The sampling's metrics-line fields (fleet: weight version, servers, timings)."""
@@ -199,7 +201,8 @@ def _loop(run: _Run, rewards: list[float]) -> bool:
         done = _train_step(run, step, saves, step_s)
         step_s = done.step_s
         rewards.append(done.reward_mean)
-        decision = run.cadence.decide(step + 1, cfg.steps, round_ends=done.round_ends)
+        decision = run.cadence.decide(step + 1, cfg.steps, round_ends=done.round_ends,
+                                      durable=done.round_end_durable)
         _record(run, step, done, decision, bar, first=step == first_step)
         run.rt.heartbeat(step + 1)
         if decision.keep:
@@ -297,18 +300,22 @@ def _train_step(run: _Run, step: int, saves: Saves, last_step_s: float) -> _Step
     loss_value, kl_sum = _update(run, batch, total_tokens, total_seqs, saves)
     # The cadence's inputs ride on this collective, so every rank decides on the same numbers.
     # A node is joining or draining: end this round after this step, saved in memory (the new
-    # round redoes nothing). Without a memory tier the agent stops us at once, as before (a
-    # storage save would be allowed to commit at this boundary, but costs a full write).
+    # round redoes nothing), or to storage too when the next round is inactive (the job waits or
+    # stops: the memory copies may leave with the nodes; the commit is allowed at a planned
+    # change's boundary). Without a memory tier the agent stops us at once, as before.
     ending_here = run.ck is not None and run.ck.has_memory_tier and run.rt.round_ending()
+    durable_here = ending_here and run.rt.round_end_durable()  # no memory copy would outlive the nodes
     sums = _all_reduce(torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum, float(ending_here),
-                                     *run.cadence.report(last_step_s)], dtype=torch.float64), run.distributed)
-    reward_sum, loss_total, kl_total, ending, *agreed = sums.tolist()
+                                     float(durable_here), *run.cadence.report(last_step_s)], dtype=torch.float64),
+                       run.distributed)
+    reward_sum, loss_total, kl_total, ending, durable, *agreed = sums.tolist()
     round_ends = ending > 0 and step + 1 < cfg.steps  # the last step ends the job anyway
     run.cadence.update(agreed, run.world)
     parts = _gather((run.rt.node_id, mine), run.distributed, run.world)  # which node trained which prompts
     tr.update(step=step + 1, frontier=frontier + cfg.prompts_per_step, tokens=tr["tokens"] + int(total_tokens))
     return _Step(reward_mean=reward_sum / max(total_seqs, 1.0), loss=loss_total, kl=kl_total,
                  tokens=total_tokens, step_s=time.perf_counter() - t0, parts=parts, round_ends=round_ends,
+                 round_end_durable=round_ends and durable > 0,
                  sampling=sampled.info)
 
 

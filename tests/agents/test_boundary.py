@@ -45,3 +45,17 @@ def test_workers_see_the_request_for_their_round_only(tmp_path):
         assert not reader.ending(0)  # outside a round
     finally:
         writer.close()
+
+
+def test_a_durable_request_and_the_draining_flag_reach_the_workers(tmp_path):
+    writer = RoundEndWriter(str(tmp_path / "round_end"))
+    reader = RoundEndReader(writer.path)
+    try:
+        writer.request(3)
+        assert reader.ending(3) and not reader.durable(3) and not reader.draining()
+        writer.drain()
+        writer.request(4, durable=True)  # the next round is inactive: save to storage
+        assert reader.ending(4) and reader.durable(4) and reader.draining()
+        assert not reader.durable(5)
+    finally:
+        writer.close()

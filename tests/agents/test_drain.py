@@ -17,6 +17,7 @@ import pytest
 
 from ftrt.agents.drain import request_drain
 from tests.agents.harness import FAST_WARM, Node, wait_until
+from tests.checkpoint.test_pointer import latest_record
 
 pytestmark = pytest.mark.slow
 
@@ -164,6 +165,10 @@ def test_a_drain_below_min_says_so_and_the_job_waits_for_a_newcomer(tmp_path, et
         assert "below its minimum of 2 nodes: it waits for a newcomer" in nodes["b"].log()
         wait_until(lambda: "waiting for a newcomer" in nodes["a"].log(), 10, "a's round to say it waits")
         assert nodes["a"].alive() and "workers stopped" in nodes["a"].log()  # waiting, not training
+        # The job waits with no round: the step it ended at went to storage too (memory may leave with
+        # the nodes), committed though the round had ended.
+        trained = len(lines(tmp_path / "run.jsonl"))
+        assert latest_record(etcd_endpoint, job_id)["step"] == trained
         nodes["c"] = Node(tmp_path, "c", job(tmp_path, etcd_endpoint, job_id, "2:2")).start()
         assert nodes["a"].wait(180) == 0, nodes["a"].log()[-3000:]
         assert nodes["c"].wait(60) == 0, nodes["c"].log()[-3000:]

@@ -49,6 +49,8 @@ def test_the_save_after_a_step_follows_the_cadences_the_last_step_and_a_round_en
     assert decide(3, memory_due=True) == ("memory", True)
     assert decide(3, storage_due=True, memory_due=True) == ("storage", True)
     assert decide(10) == ("storage", False)  # the final save: always to storage, never skipped
-    # A round that ends after this step ends with a memory save, never skipped; storage cannot take it.
+    # A round that ends after this step ends with a memory save, never skipped: the next round has it.
     assert decide(4, round_ends=True, storage_due=True) == ("memory", False)
+    # When the next round is inactive (the job waits or stops), that save goes to storage.
+    assert decide(4, round_ends=True, durable=True) == ("storage", False)
     assert decide(10, checkpointing=False, storage_due=True, memory_due=True) == (None, False)
