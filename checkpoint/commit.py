@@ -13,6 +13,9 @@ Once every rank's DCP files of a step are written (:mod:`ftrt.checkpoint.saving`
 
 After a commit rank 0 reports it (``ckpt``) and deletes, on the background thread, the committed
 checkpoints beyond the newest ``keep`` and the folders of saves that never committed.
+
+Folders written by someone else (a trainer's own checkpoint folder, DCP's writer) are committed
+the same way by one process, :func:`commit_folder`, and found again by :func:`newest_verified`.
 """
 
 from __future__ import annotations
@@ -25,11 +28,68 @@ from typing import Callable
 from ftrt import reports
 from ftrt.checkpoint import manifest as mf
 from ftrt.checkpoint.group import CheckpointGroup
+from ftrt.checkpoint.pointer import LatestPointer
 from ftrt.checkpoint.signing import CheckpointKey
 from ftrt.checkpoint.storage import MANIFEST, Location, brief, list_steps, step_dir, write_bytes
 from ftrt.errors import CheckpointCorrupt, RoundChanged
 
 log = logging.getLogger(__name__)
+
+
+def commit_folder(loc: Location, folder: str, step: int, world_size: int, *, round_no: int = 0,
+                  pointer: LatestPointer | None = None, key: CheckpointKey | None = None,
+                  extra: dict | None = None) -> mf.Manifest:
+    """Commit ``loc``'s ``folder``, whose files are all written, as ``step``: check the round
+    (``pointer``), sum every file (CRC-32; SHA-256 and a signed manifest with ``key``), write the
+    manifest last, move ``pointer`` to ``step``. A :class:`RoundChanged` withdraws the manifest.
+    Files with ``.tmp`` in their name are in-flight writes and not part of the checkpoint."""
+    if pointer is not None:
+        pointer.check_round()  # a stale round writes no manifest at all
+    checksum = "sha256" if key is not None else "crc32"
+    root = loc.path(folder)
+    files = {}
+    for path in sorted(loc.fs.find(root)):
+        rel = path[len(root):].lstrip("/")
+        if rel != MANIFEST and ".tmp" not in rel:
+            files[rel] = mf.checksum_file(loc, path, checksum)
+    manifest = mf.Manifest(step=step, world_size=world_size, files=files, checksum=checksum, round=round_no,
+                           time=time.time(), extra=dict(extra or {}))
+    if key is not None:
+        manifest = manifest.signed(key)
+    path = loc.path(folder, MANIFEST)
+    write_bytes(loc, path, manifest.to_json())
+    if pointer is not None:
+        try:
+            pointer.commit(step)
+        except RoundChanged:
+            loc.fs.rm(path)  # a stale round's checkpoint must not exist
+            raise
+    return manifest
+
+
+def newest_verified(loc: Location, steps, name_of: Callable[[int], str], *, latest: int | None,
+                    key: CheckpointKey | None = None, accept: Callable[[str], str | None] | None = None
+                    ) -> int | None:
+    """The newest of ``steps`` whose folder (``name_of(step)``) holds a manifest that every file
+    matches (signed under ``key`` when given), not newer than ``latest``, and that ``accept``
+    (called with the folder, after the check) does not pass over by giving a reason; or None.
+    Each one passed over is logged with why."""
+    for step in sorted(steps, reverse=True):
+        folder = name_of(step)
+        if latest is not None and step > latest:
+            log.warning("not using %s: newer than the job's latest committed checkpoint (%d)", folder, latest)
+            continue
+        try:
+            mf.verify_step(loc, folder, key, name_of=name_of)
+        except CheckpointCorrupt as exc:
+            log.warning("not using %s: %s", folder, exc)
+            continue
+        reason = accept(folder) if accept is not None else None
+        if reason is not None:
+            log.warning("not using %s: %s", folder, reason)
+            continue
+        return step
+    return None
 
 
 class Committer:

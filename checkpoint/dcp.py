@@ -29,39 +29,20 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 from torch.distributed.checkpoint import StorageReader, StorageWriter
 
 from ftrt.checkpoint import manifest as mf
-from ftrt.checkpoint.pointer import LatestPointer
+from ftrt.checkpoint.commit import commit_folder, newest_verified
+from ftrt.checkpoint.pointer import LatestPointer, job_pointer
 from ftrt.checkpoint.signing import CheckpointKey, load_key
-from ftrt.checkpoint.storage import (MANIFEST, Location, dcp_reader, dcp_writer, list_steps, parse_url, step_dir,
-                                     write_bytes)
-from ftrt.errors import CheckpointCorrupt, ConfigError, RoundChanged
+from ftrt.checkpoint.storage import Location, dcp_reader, dcp_writer, list_steps, parse_url, step_dir
+from ftrt.errors import CheckpointCorrupt, ConfigError
 
 log = logging.getLogger(__name__)
 
 _UNSET: Any = object()
-_pointers: dict[str, LatestPointer | None] = {}  # one per root and process: a worker's round never changes
-
-
-def job_pointer(url: str) -> LatestPointer | None:
-    """The job's round-fenced ``latest`` pointer for ``url`` under ``ftrt launch`` (kept for the
-    process's later saves), else None."""
-    if url not in _pointers:
-        import ftrt
-        from ftrt import envnames
-        from ftrt.store.access import from_env
-
-        rt = ftrt.init()
-        endpoints = os.environ.get(envnames.ETCD, "")
-        _pointers[url] = (LatestPointer(endpoints, rt.job_id, rt.round, url, access=from_env())
-                          if rt.launched_by_ftrt and endpoints else None)
-    return _pointers[url]
-
-
 def _same_target(checkpoint_id: str | os.PathLike | None, loc: Location, folder: str) -> None:
     if checkpoint_id is not None and str(checkpoint_id).rstrip("/") not in (loc.path(folder), loc.url_of(folder)):
         raise ConfigError(f"checkpoint_id = {str(checkpoint_id)!r} does not name this storage's folder "
@@ -88,10 +69,10 @@ class FtrtStorageWriter(StorageWriter):
         self.loc = parse_url(url, storage_options)
         self.step = step
         self.folder = step_dir(step)
+        self.url = url
         self.key = load_key() if key is _UNSET else key
-        self.pointer = job_pointer(url) if pointer is _UNSET else pointer
+        self._pointer = pointer  # _UNSET: the job's, made on the coordinator when it commits
         self._inner = dcp_writer(self.loc, self.folder, thread_count)
-        self._coordinator = False
         self.committed_bytes: int | None = None
         """Bytes committed by the last save (on the coordinator), else None."""
 
@@ -100,7 +81,6 @@ class FtrtStorageWriter(StorageWriter):
         self._inner.reset(None)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._coordinator = is_coordinator
         self._inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
 
     def prepare_local_plan(self, plan):
@@ -117,33 +97,18 @@ class FtrtStorageWriter(StorageWriter):
 
     def finish(self, metadata, results) -> None:
         """DCP's finish (``.metadata``), then ftrt's commit (module docstring); coordinator only."""
-        if self.pointer is not None:
-            self.pointer.check_round()  # a stale round writes no manifest at all
         self._inner.finish(metadata, results)
-        checksum = "sha256" if self.key is not None else "crc32"
-        root = self.loc.path(self.folder)
-        files = {}
-        for path in sorted(self.loc.fs.find(root)):
-            rel = path[len(root):].lstrip("/")
-            if rel != MANIFEST and ".tmp" not in rel:
-                files[rel] = mf.checksum_file(self.loc, path, checksum)
-        world = len(results)
-        manifest = mf.Manifest(step=self.step, world_size=world, files=files, checksum=checksum,
-                               round=self.pointer.round_no if self.pointer is not None else 0, time=time.time(),
-                               extra={"writer": "ftrt.checkpoint.dcp"})
-        if self.key is not None:
-            manifest = manifest.signed(self.key)
-        path = self.loc.path(self.folder, MANIFEST)
-        write_bytes(self.loc, path, manifest.to_json())
-        if self.pointer is not None:
-            try:
-                self.pointer.commit(self.step)
-            except RoundChanged:
-                self.loc.fs.rm(path)  # a stale round's checkpoint must not exist
-                raise
+        pointer = job_pointer(self.url) if self._pointer is _UNSET else self._pointer
+        try:
+            manifest = commit_folder(self.loc, self.folder, self.step, len(results), pointer=pointer, key=self.key,
+                                     round_no=pointer.round_no if pointer is not None else 0,
+                                     extra={"writer": "ftrt.checkpoint.dcp"})
+        finally:
+            if pointer is not None and self._pointer is _UNSET:
+                pointer.close()
         self.committed_bytes = manifest.total_bytes
         log.info("committed step %d at %s (%d files, %d bytes)", self.step, self.loc.url_of(self.folder),
-                 len(files), self.committed_bytes)
+                 len(manifest.files), self.committed_bytes)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -169,25 +134,18 @@ class FtrtStorageReader(StorageReader):
         self.key = load_key() if key is _UNSET else key
         if latest is _UNSET:
             pointer = job_pointer(url)
-            latest = pointer.latest() if pointer is not None else None
-        self.step = self._choose(latest) if step is None else self._verified(step)
+            try:
+                latest = pointer.latest() if pointer is not None else None
+            finally:
+                if pointer is not None:
+                    pointer.close()
+        self.step = (newest_verified(self.loc, list_steps(self.loc), step_dir, latest=latest, key=self.key)
+                     if step is None else self._verified(step))
         self._inner = dcp_reader(self.loc, step_dir(self.step)) if self.step is not None else None
 
     def _verified(self, step: int) -> int:
         mf.verify_step(self.loc, step_dir(step), self.key)
         return step
-
-    def _choose(self, latest: int | None) -> int | None:
-        for step in reversed(list_steps(self.loc)):
-            if latest is not None and step > latest:
-                log.warning("not reading %s: newer than the job's latest committed checkpoint (%d)",
-                            step_dir(step), latest)
-                continue
-            try:
-                return self._verified(step)
-            except CheckpointCorrupt as exc:
-                log.warning("not reading %s: %s", step_dir(step), exc)
-        return None
 
     def _reader(self):
         if self._inner is None:

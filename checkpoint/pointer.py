@@ -121,3 +121,21 @@ class LatestPointer:
             return json.loads(kv.value)["step"] if kv else None
 
         return self._run(go)
+
+
+def job_pointer(url: str, runtime=None) -> LatestPointer | None:
+    """The job's ``latest`` pointer for checkpoints under ``url``, fenced by this worker's round,
+    when ``ftrt launch`` started it (with the agent's etcd credentials); else None. ``runtime``:
+    :func:`ftrt.init`'s (default)."""
+    import os
+
+    import ftrt
+    from ftrt import envnames
+    from ftrt.store.access import from_env
+
+    rt = runtime or ftrt.init()
+    endpoints = os.environ.get(envnames.ETCD, "")
+    if not rt.launched_by_ftrt or not endpoints:
+        return None
+    return LatestPointer(endpoints, rt.job_id, rt.round, url, access=from_env())
+

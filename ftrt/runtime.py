@@ -180,13 +180,10 @@ class Runtime:
         it is a plain Checkpointer. Every rank must call this alike (it creates a process group).
         """
         from ftrt.checkpoint import Checkpointer
+        from ftrt.checkpoint.pointer import job_pointer
 
-        etcd = os.environ.get(envnames.ETCD, "")
-        if self.launched_by_ftrt and etcd:
-            from ftrt.checkpoint.pointer import LatestPointer
-            from ftrt.store.access import from_env
-
-            ptr = LatestPointer(etcd, self.job_id, self.round, url, access=from_env())
+        ptr = job_pointer(url, self)
+        if ptr is not None:
             kwargs.setdefault("pre_commit", ptr.check_round)
             kwargs.setdefault("on_commit", ptr.commit)
             kwargs.setdefault("latest_limit", ptr.latest)

@@ -13,21 +13,16 @@ its manifest and that is not newer than ``latest``. Trainers' files are often pi
 
 from __future__ import annotations
 
-import logging
-import os
 import re
-import time
 from pathlib import Path
 from typing import Callable
 
 import ftrt
-from ftrt.checkpoint import manifest as mf
+from ftrt.checkpoint.commit import commit_folder as commit
+from ftrt.checkpoint.commit import newest_verified
 from ftrt.checkpoint.pointer import LatestPointer
-from ftrt.checkpoint.storage import MANIFEST, parse_url, write_bytes
-from ftrt.errors import CheckpointCorrupt, RoundChanged
-
-log = logging.getLogger("ftrt.integrations")
-
+from ftrt.checkpoint.pointer import job_pointer as pointer_for
+from ftrt.checkpoint.storage import parse_url
 
 def distributed():
     """``torch.distributed`` when a default process group is up, else None."""
@@ -63,38 +58,18 @@ def round_ends(rt: ftrt.Runtime) -> bool:
 
 
 def job_pointer(rt: ftrt.Runtime, output_dir: str) -> LatestPointer | None:
-    """The job's round-fenced ``latest`` pointer under ``ftrt launch``, else None."""
-    from ftrt import envnames
-    from ftrt.store.access import from_env
-
-    endpoints = os.environ.get(envnames.ETCD, "")
-    if not rt.launched_by_ftrt or not endpoints:
-        return None
-    return LatestPointer(endpoints, rt.job_id, rt.round, str(Path(output_dir).absolute()), access=from_env())
+    """The job's round-fenced ``latest`` pointer for ``output_dir`` under ``ftrt launch``, else None."""
+    return pointer_for(str(Path(output_dir).absolute()), rt)
 
 
 def commit_folder(output_dir: str, folder: str, step: int, world_size: int, *, trainer: str, round_no: int = 0,
                   pointer: LatestPointer | None = None, extra: dict | None = None) -> int:
-    """Write the manifest of ``output_dir/folder`` (every file with size and CRC-32) and move
-    ``pointer`` to ``step``; return the bytes committed. A RoundChanged withdraws the manifest."""
+    """Commit ``output_dir/folder`` as ``step`` (:func:`ftrt.checkpoint.commit.commit_folder`: the
+    manifest of every file, the fenced pointer); return the bytes committed."""
     loc = parse_url(str(Path(output_dir).absolute()))
-    root = Path(loc.path(folder))
-    files = {}
-    for f in sorted(root.rglob("*")):
-        rel = f.relative_to(root).as_posix()
-        if f.is_file() and rel != MANIFEST and ".tmp-" not in rel:
-            files[rel] = mf.checksum_file(loc, str(f))
-    manifest = mf.Manifest(step=step, world_size=world_size, files=files, round=round_no, time=time.time(),
-                           extra={"trainer": trainer, **(extra or {})})
-    path = loc.path(folder, MANIFEST)
-    write_bytes(loc, path, manifest.to_json())
-    if pointer is not None:
-        try:
-            pointer.commit(step)
-        except RoundChanged:
-            os.unlink(path)  # a stale round's checkpoint must not exist
-            raise
-    return sum(e.size for e in files.values())
+    manifest = commit(loc, folder, step, world_size, round_no=round_no, pointer=pointer,
+                      extra={"trainer": trainer, **(extra or {})})
+    return manifest.total_bytes
 
 
 def newest_committed(output_dir: str, pattern: re.Pattern, name_of: Callable[[int], str],
@@ -107,7 +82,7 @@ def newest_committed(output_dir: str, pattern: re.Pattern, name_of: Callable[[in
     root = Path(output_dir)
     if not root.is_dir():
         return None
-    steps = sorted((int(m.group(1)) for p in root.iterdir() if (m := pattern.match(p.name))), reverse=True)
+    steps = [int(m.group(1)) for p in root.iterdir() if (m := pattern.match(p.name))]
     pointer = job_pointer(runtime or ftrt.init(), output_dir)
     latest = None
     if pointer is not None:
@@ -115,20 +90,6 @@ def newest_committed(output_dir: str, pattern: re.Pattern, name_of: Callable[[in
             latest = pointer.latest()
         finally:
             pointer.close()
-    loc = parse_url(str(root.absolute()))
-    for step in steps:
-        folder = name_of(step)
-        if latest is not None and step > latest:
-            log.warning("not resuming from %s: newer than the job's latest committed checkpoint (%d)", folder, latest)
-            continue
-        try:
-            mf.verify_step(loc, folder, name_of=name_of)
-        except CheckpointCorrupt as exc:
-            log.warning("not resuming from %s: %s", folder, exc)
-            continue
-        reason = accept(str(root / folder)) if accept is not None else None
-        if reason is not None:
-            log.warning("not resuming from %s: %s", folder, reason)
-            continue
-        return str(root / folder)
-    return None
+    step = newest_verified(parse_url(str(root.absolute())), steps, name_of, latest=latest,
+                           accept=(lambda folder: accept(str(root / folder))) if accept is not None else None)
+    return None if step is None else str(root / name_of(step))
