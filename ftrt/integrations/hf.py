@@ -265,6 +265,34 @@ class _ElasticProgress(TrainerCallback):
         return control
 
 
+_ELASTIC_LOADER = "_ftrt_elastic_loader"
+"""Set on the loaders :class:`ElasticData` makes: they start at the trained frontier."""
+
+
+def _let_elastic_loaders_pass() -> None:
+    """Before transformers 5.25 the Trainer skips the batches of a resumed epoch with the
+    ``skip_first_batches`` it imported from accelerate, with no ``get_resumed_dataloader`` hook to
+    override: wrap that name (once per process) so that the loaders of :class:`ElasticData`, which
+    already start at the trained frontier, pass unskipped; every other loader is skipped as before."""
+    import transformers.trainer as hf_trainer
+
+    skip = getattr(hf_trainer, "skip_first_batches", None)
+    if skip is None:
+        import transformers
+
+        raise ConfigError(f"ElasticTrainer cannot turn off the Trainer's skipping on resume in transformers "
+                          f"{transformers.__version__} (no get_resumed_dataloader, no skip_first_batches): "
+                          "install transformers 5.24 or newer.")
+    if getattr(skip, _ELASTIC_LOADER, False):
+        return
+
+    def skip_unless_elastic(dataloader, num_batches=0):
+        return dataloader if getattr(dataloader, _ELASTIC_LOADER, False) else skip(dataloader, num_batches)
+
+    setattr(skip_unless_elastic, _ELASTIC_LOADER, True)
+    hf_trainer.skip_first_batches = skip_unless_elastic
+
+
 class ElasticData:
     """Mix into a ``Trainer`` class to train the data in :class:`ftrt.data.ElasticSampler`'s order,
     with the sampler's state in every checkpoint and restored at any world size.
@@ -286,10 +314,7 @@ class ElasticData:
 
     def __init__(self, *args, global_batch: int | None = None, **kwargs) -> None:
         if not hasattr(Trainer, "get_resumed_dataloader"):
-            import transformers
-
-            raise ConfigError(f"ElasticTrainer needs a Trainer with get_resumed_dataloader (transformers 5); "
-                              f"transformers {transformers.__version__} is installed.")
+            _let_elastic_loaders_pass()
         super().__init__(*args, **kwargs)
         self._elastic = _ElasticProgress(global_batch)
         self.callback_handler.callbacks.insert(0, self._elastic)  # its on_save before any commit
@@ -326,6 +351,7 @@ class ElasticData:
             prefetch_factor=args.dataloader_prefetch_factor, in_order=args.dataloader_in_order,
             worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index))
         prepared = self.accelerator.prepare(loader)
+        setattr(prepared, _ELASTIC_LOADER, True)
         shard = getattr(prepared, "batch_sampler", None)
         if isinstance(shard, BatchSamplerShard) and shard.batch_sampler is batches and not shard.split_batches:
             # Already this rank's share: make accelerate's round-robin over ranks a passthrough, as the

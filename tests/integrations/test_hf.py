@@ -212,3 +212,22 @@ def test_the_elastic_trainer_resumes_at_the_same_world_size_bit_identically(tmp_
     assert sorted(run) == [4, 5, 6] and run == {step: ref[step] for step in run}
     ref_ids = _trained(tmp_path / "ref-ledger.jsonl")
     assert _trained(tmp_path / "run-ledger.jsonl") == {step: ref_ids[step] for step in (4, 5, 6)}
+
+
+def test_before_transformers_5_25_only_the_elastic_loaders_pass_the_trainers_skip(monkeypatch):
+    """transformers 5.24 skips resumed batches with its module's skip_first_batches (no hook): the
+    wrapper ElasticData installs lets its own loaders pass and skips every other loader as before."""
+    import torch
+    import transformers.trainer as hf_trainer
+
+    from ftrt.integrations.hf import _ELASTIC_LOADER, _let_elastic_loaders_pass
+
+    calls = []
+    monkeypatch.setattr(hf_trainer, "skip_first_batches", lambda loader, num_batches=0: calls.append(num_batches))
+    _let_elastic_loaders_pass()
+    _let_elastic_loaders_pass()  # once per process: not wrapped twice
+    ours, other = (torch.utils.data.DataLoader(list(range(8)), batch_size=2) for _ in range(2))
+    setattr(ours, _ELASTIC_LOADER, True)
+    assert hf_trainer.skip_first_batches(ours, 3) is ours and calls == []
+    hf_trainer.skip_first_batches(other, 3)
+    assert calls == [3]

@@ -147,6 +147,7 @@ def test_pushes_need_the_token_and_a_bad_push_changes_nothing(tmp_path, etcd_end
             after = stub.Info(rollout_pb2.InfoRequest())
         holder.update(before=before, after=after, no_token=no_token.value.code(), forged=forged.value,
                       wrong_token=wrong_token.value.code())
+        wait_registered(servers)  # the trainer may start with one: a slow second one is listed once it is there
         status = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "status", "--etcd", etcd_endpoint,
                                  "--job-id", job_id], capture_output=True, text=True, timeout=60)
         holder["status"] = status.stdout

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from ftrt.chaos.local import wait_until
-from tests.rollout.fleetkit import Server, fleet_config, lines, stop_all, trainer
+from tests.rollout.fleetkit import Server, fleet_config, lines, stop_all, trainer, wait_registered
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
@@ -94,7 +94,14 @@ def test_a_vllm_server_serves_seeded_groups_and_its_death_loses_no_prompt(tmp_pa
                 assert a.tokens == b.tokens and (a.group, a.width) == (4, 3)  # seeded: the same group twice
             except grpc.RpcError as exc:  # it moved on to the next version meanwhile
                 assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc
-        builtin = Server(tmp_path, etcd_endpoint, job_id, "builtin0", "--model-dir", str(tiny_llama))
+        # The trainer waits while the built-in server starts (it holds no lease; its calls in flight
+        # time out and go again): on a slow machine the run could otherwise end before it joins.
+        os.kill(t.pid, signal.SIGSTOP)
+        try:
+            builtin = Server(tmp_path, etcd_endpoint, job_id, "builtin0", "--model-dir", str(tiny_llama))
+            wait_registered([builtin], 300)
+        finally:
+            os.kill(t.pid, signal.SIGCONT)
         wait_until(lambda: any(r["rollout_servers"] == 2 for r in lines(metrics)) or t.poll() is not None, 300,
                    "both servers serving")
         assert t.poll() is None, "the job ended before the built-in server joined"
