@@ -484,6 +484,7 @@ class Agent:
             if self._drain is None and (why := self._drain_reason()) is not None:
                 await self._begin_drain(why)
             await self._handle_exits()
+            self._cut_stuck_teardowns()
             if (hang := self._find_hang()) is not None:
                 await self._fail_round("hang", hang)
             if self.state is AgentState.FINISHED:
@@ -537,7 +538,7 @@ class Agent:
 
     async def _handle_exits(self) -> None:
         exited = self.inbox.take_exited()
-        failed = [w for w in exited if w.round == self.worker_round and w.exit_code != 0]
+        failed = [w for w in exited if w.round == self.worker_round and w.exit_code != 0 and not w.teardown_cut]
         if failed and self.state is AgentState.RUNNING:
             w = failed[0]
             detail = f"rank {w.rank} (pid {w.pid}) exited with code {w.exit_code}"
@@ -547,13 +548,29 @@ class Agent:
             await self._fail_round("failure", detail)
             return
         running = self.pool.running
-        if self.state is AgentState.RUNNING and running and all(w.exit_code == 0 for w in running):
+        if self.state is AgentState.RUNNING and running and all(w.exit_code == 0 or w.teardown_cut for w in running):
             self.pool.finished()
             self._set_state(AgentState.FINISHED)
             self._finished_at = time.monotonic()
             self.log.info("all workers exited 0 in round %d", self.worker_round)
             self._events.emit("node_done", f"{self.cfg.node_id} finished in round {self.worker_round}")
             await self.membership.update(done_round=self.worker_round)
+
+    def _cut_stuck_teardowns(self) -> None:
+        """Kill the workers done with their work whose exit is overdue (``--teardown-timeout``)."""
+        if self.state is not AgentState.RUNNING:
+            return
+        done = [w for w in self.pool.running if w.done_at is not None and w.exit_code is None and not w.teardown_cut]
+        overdue = {rank for rank, _ in find_hung(time.monotonic(), [(w.rank, w.done_at) for w in done],
+                                                   self.cfg.teardown_timeout)}
+        for w in done:
+            if w.rank in overdue:
+                self.log.warning("rank %d said its work was done and has not exited %g s later (--teardown-timeout): "
+                                 "its teardown is stuck (e.g. a process group's destructor at interpreter exit); "
+                                 "killed it, its work counts as finished", w.rank, self.cfg.teardown_timeout)
+                self._events.emit("teardown_cut", f"rank {w.rank} killed {self.cfg.teardown_timeout:g} s after it "
+                                  "said it was done", rank=w.rank)
+                self.pool.cut_teardown(w)
 
     def _find_hang(self) -> str | None:
         """A running worker silent past ``--hang-timeout`` (after its first heartbeat, until it
@@ -562,7 +579,7 @@ class Agent:
             return None
         hung = find_hung(
             time.monotonic(),
-            [(w.rank, w.last_heartbeat) for w in self.pool.running if w.exit_code is None and not w.done],
+            [(w.rank, w.last_heartbeat) for w in self.pool.running if w.exit_code is None and w.done_at is None],
             self.cfg.hang_timeout,
         )
         if not hung:

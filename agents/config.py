@@ -83,6 +83,12 @@ class LaunchConfig(BaseModel):
         DEFAULTS["hang_timeout"], gt=0,
         description="A worker that heartbeat once and then stays silent this long is killed as hung.",
     )
+    teardown_timeout: float = Field(
+        DEFAULTS["teardown_timeout"], gt=0,
+        description="A worker that said its work is done (rt.done()) and has not exited this long after is "
+                    "killed; its work counts as finished (a teardown stuck, e.g. in a process group's "
+                    "destructor, does not hold the job forever).",
+    )
     worker_start_timeout: float = Field(
         DEFAULTS["worker_start_timeout"], gt=0,
         description="A round's first worker (it holds the round's store) that has not started (reported "

@@ -9,7 +9,7 @@ events (checkpoint commits) go to the file only. The etcd log is trimmed to the 
 entries; the file is the operator's to rotate.
 
 Kinds: ``round`` (decided), ``decider``, ``node_lost`` (with its evidence), ``worker_failure``,
-``worker_hang``, ``fenced``, ``workers_started``, ``workers_stopped``, ``restore``,
+``worker_hang``, ``teardown_cut``, ``fenced``, ``workers_started``, ``workers_stopped``, ``restore``,
 ``checkpoint_committed``, ``node_done``, and the job's end (``succeeded``/``failed``).
 """
 

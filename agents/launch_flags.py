@@ -138,6 +138,9 @@ FLAGS: tuple[Flag | FlagGroup, ...] = (
     Flag("hang_timeout", ("--hang-timeout",), 60.0,
          "seconds without heartbeat (after the first) before a worker is killed as hung (default {default})",
          type=float),
+    Flag("teardown_timeout", ("--teardown-timeout",), 120.0,
+         "seconds a worker that said it is done (rt.done()) may take to exit before it is killed; its work "
+         "counts as finished (default {default})", type=float),
     Flag("worker_start_timeout", ("--worker-start-timeout",), 300.0,
          "seconds a round's first worker (it holds the round's store) may take to start before the round is "
          "restarted (default {default})", type=float),

@@ -202,8 +202,11 @@ class Worker:
     last_heartbeat: float | None = None
     step_interval: float | None = None
     """Seconds per step between its last two heartbeats (None before two)."""
-    done: bool = False
-    """It said its work is done (:meth:`ftrt.Runtime.done`): its teardown is not judged for hangs."""
+    done_at: float | None = None
+    """When it said its work is done (:meth:`ftrt.Runtime.done`; monotonic): from then on its
+    teardown is not judged for hangs, only held to ``--teardown-timeout``."""
+    teardown_cut: bool = False
+    """Killed past ``--teardown-timeout`` after it said it was done: its exit counts as success."""
     polls_boundary: bool = False
     """It polls the round-end file (:mod:`ftrt.agents.boundary`): a planned round waits for it."""
     assigned_at: float = 0.0
@@ -512,6 +515,11 @@ class WorkerPool:
         """Kill workers taken for a round that cannot use them (one that never started)."""
         await self._stop(workers, 0.0)
 
+    def cut_teardown(self, worker: Worker) -> None:
+        """SIGKILL a worker whose work is done and whose teardown is stuck; its exit counts as success."""
+        worker.teardown_cut = worker.stopping = True
+        _signal_group(worker, signal.SIGKILL)
+
     def kill_running_now(self) -> None:
         """SIGKILL every assigned worker without waiting (fencing)."""
         for w in self.running:
@@ -604,8 +612,8 @@ class WorkerPool:
                     if self.on_heartbeat is not None:
                         self.on_heartbeat(worker)
                 elif kind == reports.DONE:
-                    if not worker.done:
-                        worker.done = True
+                    if worker.done_at is None:
+                        worker.done_at = time.monotonic()
                         log.info("rank %d is done (step %s); its teardown is not judged for hangs",
                                  worker.rank, msg.get("step"))
                 elif kind == reports.BOUNDARY:

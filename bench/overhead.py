@@ -69,12 +69,15 @@ VARIANTS: dict[str, Variant] = {
                                 component="replication to the peer"),
     "ftrt-nomem": Variant(grpo={"checkpoint.memory_interval": 0}, base="ftrt-mem1",
                           component="memory checkpoint every step (staging + vote + replication)"),
+    "ftrt-bare": Variant(grpo={"checkpoint.memory_interval": 0}, launch=("--no-warm",), off="heartbeat,fence",
+                         base="ftrt", component="all of the above at once (no heartbeats, watchdog, spares "
+                                                "or memory checkpoints: the agents, etcd and the launch remain)"),
 }
 """ftrt's variants: ``ftrt`` is the default (``auto`` checkpoint cadence); ``ftrt-mem1`` the old
 default, a memory checkpoint after every step."""
 SYSTEMS = ("torchrun", *VARIANTS)
 BREAKDOWN = ("torchrun", "ftrt", "ftrt-nohb", "ftrt-nofence", "ftrt-nowarm", "ftrt-mem1", "ftrt-mem1-novote",
-             "ftrt-mem1-norepl", "ftrt-nomem")
+             "ftrt-mem1-norepl", "ftrt-nomem", "ftrt-bare")
 
 
 def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict, trace_s: float = 0.0,

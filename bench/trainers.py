@@ -7,7 +7,11 @@ and under ``ftrt launch`` with ftrt's integration, 2 ranks on gloo, interleaved 
 - ``trl``: ``ftrt/examples/trl_grpo.py`` (TRL's ``GRPOTrainer`` generating with a tiny Llama) with
   ``ftrt.integrations.trl.FtrtCallback`` (the above, plus each rank's generation buffer);
 - ``lightning``: ``ftrt/examples/lightning_steps.py`` with ``ftrt.integrations.lightning``'s
-  checkpoint IO and callback.
+  checkpoint IO and callback;
+- ``ddp``: ``ftrt/examples/ddp_steps.py`` (the recovery bench's DDP job: a small MLP, each step
+  padded with a sleep to ``--ddp-step-time``, as a GPU step leaves the CPU waiting; 0: no padding),
+  under ftrt with ``--boundary`` (heartbeats and the round-end agreement), its small resume file
+  written by rank 0 in both.
 
 Both systems save alike, every ``--save-steps``, in the trainer's own format; the step time is the
 median gap between consecutive logged steps from step 5 on (start-up excluded).
@@ -31,26 +35,36 @@ TRAINERS = {
     "hf": ("ftrt.examples.hf_trainer", "--save-steps", ["--no-ftrt"]),
     "trl": ("ftrt.examples.trl_grpo", "--save-steps", ["--ftrt", "none"]),
     "lightning": ("ftrt.examples.lightning_steps", "--save-every", ["--no-ftrt"]),
+    "ddp": ("ftrt.examples.ddp_steps", "--ckpt-every", []),
 }
-NEEDS = {"hf": "accelerate", "trl": "trl", "lightning": "pytorch_lightning"}
+NEEDS = {"hf": "accelerate", "trl": "trl", "lightning": "pytorch_lightning", "ddp": "torch"}
+
+
+def _script(trainer: str, system: str, out: Path, metrics: Path, steps: int, save_steps: int,
+            ddp_step_time: float) -> list[str]:
+    """The example's command line (after ``python``) for ``system``."""
+    module, save_flag, plain = TRAINERS[trainer]
+    if trainer == "ddp":  # its own option names; ftrt's part is the round-end agreement
+        out.mkdir(parents=True, exist_ok=True)
+        return ["-m", module, "--steps", str(steps), "--step-time", str(ddp_step_time), "--ckpt", str(out / "ckpt.json"),
+                save_flag, str(save_steps), "--progress", str(metrics), *(["--boundary"] if system == "ftrt" else [])]
+    return ["-m", module, "--out", str(out), "--steps", str(steps), save_flag, str(save_steps), "--metrics",
+            str(metrics), *(plain if system == "torchrun" else [])]
 
 
 LOGS = Path(__file__).resolve().parent / "results" / "logs"
 """A failed run's whole output is kept here (the bench retries it once)."""
 
 
-def _run(trainer: str, system: str, save_steps: int, steps: int, work: Path, failures: list[str]) -> float:
-    module, save_flag, plain = TRAINERS[trainer]
+def _run(trainer: str, system: str, save_steps: int, steps: int, work: Path, failures: list[str],
+         ddp_step_time: float) -> float:
     out, metrics = work / f"{trainer}-{system}-out", work / f"{trainer}-{system}.jsonl"
-    script = ["-m", module, "--out", str(out), "--steps", str(steps), save_flag, str(save_steps),
-              "--metrics", str(metrics)]
-    if system == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script, *plain]
-    else:
-        cmd = [sys.executable, "-m", "ftrt.cli.main", "launch", "--standalone", "--nproc-per-node", "2", *script]
+    launcher = ["torch.distributed.run"] if system == "torchrun" else ["ftrt.cli.main", "launch"]
     for attempt in range(2):
         shutil.rmtree(out, ignore_errors=True)
         metrics.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", *launcher, "--standalone", "--nproc-per-node", "2",
+               *_script(trainer, system, out, metrics, steps, save_steps, ddp_step_time)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if res.returncode == 0:
             break
@@ -68,7 +82,9 @@ def _run(trainer: str, system: str, save_steps: int, steps: int, work: Path, fai
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench trainers", description=__doc__.splitlines()[0])
-    p.add_argument("--trainer", default="hf,trl,lightning", help="comma-separated, of hf, trl, lightning")
+    p.add_argument("--trainer", default="hf,trl,lightning,ddp", help="comma-separated, of hf, trl, lightning, ddp")
+    p.add_argument("--ddp-step-time", type=float, default=0.05,
+                   help="the ddp job's step, padded with a sleep to this many seconds (default 0.05; 0: no padding)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--save-steps", default="1,10", help="comma-separated save intervals (default 1,10)")
@@ -90,7 +106,7 @@ def main(argv: list[str]) -> int:
                 rows = {"torchrun": [], "ftrt": []}
                 for r in range(args.reps):  # interleaved, the order flipped every repeat
                     for system in (("torchrun", "ftrt") if r % 2 == 0 else ("ftrt", "torchrun")):
-                        rows[system].append(_run(trainer, system, save, args.steps, work, failures))
+                        rows[system].append(_run(trainer, system, save, args.steps, work, failures, args.ddp_step_time))
                 ratios = [f / t for f, t in zip(rows["ftrt"], rows["torchrun"])]
                 res.setdefault(trainer, {})[f"save_every_{save}"] = {
                     **rows, "ratios": ratios, "median_ratio": statistics.median(ratios)}

@@ -8,7 +8,8 @@ on a small MLP, padded with a sleep to about ``--step-time`` seconds. Rank 0 (or
 Progress survives restarts through a small checkpoint (``--ckpt``, rank 0 writes it atomically
 every ``--ckpt-every`` steps), so a restarted world continues from the last saved step instead of
 step 0. With ``--boundary`` the script ends a round at a step boundary when ftrt asks (a node
-joins or drains): the ranks agree on it through an all-reduce, rank 0 saves that step, and every
+joins or drains): the ranks agree on it through an all-reduce one step behind
+(:class:`ftrt.roundend.RoundEndVote`), rank 0 saves that step, and every
 worker exits (:meth:`ftrt.Runtime.round_ending`, :meth:`ftrt.Runtime.exit_for_round`), so the next
 round redoes nothing whatever the checkpoint interval.
 """
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ftrt
+from ftrt.roundend import RoundEndVote
 
 
 def main() -> None:
@@ -70,6 +72,7 @@ def main() -> None:
             start = json.load(f)["step"] + 1
     print(f"rank {rank} of {world} (round {rt.round}) starts at step {start}", flush=True)
     marker = args.fault_marker or f"{args.ckpt or args.progress or 'x'}.failed-once"
+    vote = RoundEndVote(rt) if args.boundary else None
     for step in range(start, args.steps):
         t0 = time.monotonic()
         if args.fail_when and rank == args.fail_rank and os.path.exists(args.fail_when):
@@ -99,11 +102,9 @@ def main() -> None:
                     dist.all_reduce(prm.grad)
                     prm -= 0.01 * prm.grad / world
         rt.heartbeat(step)
-        ending = False
-        if args.boundary:  # every rank sees the request at its own moment: agree on the step
-            flag = torch.tensor([float(rt.round_ending())])
-            dist.all_reduce(flag)
-            ending = flag.item() > 0 and step + 1 < args.steps
+        # Every rank sees the request at its own moment: agree on the step (one step behind, so
+        # that no step waits on the agreement).
+        ending = vote is not None and vote() and step + 1 < args.steps
         if rank == 0 and args.ckpt and ((step + 1) % args.ckpt_every == 0 or ending):
             tmp = f"{args.ckpt}.tmp"
             with open(tmp, "w") as f:
@@ -120,6 +121,8 @@ def main() -> None:
         spent = time.monotonic() - t0
         if spent < args.step_time:
             time.sleep(args.step_time - spent)
+    if vote is not None:
+        vote.close()
     dist.barrier()
     rt.done()
     time.sleep(args.teardown)

@@ -23,12 +23,7 @@ from ftrt.checkpoint.commit import newest_verified
 from ftrt.checkpoint.pointer import LatestPointer
 from ftrt.checkpoint.pointer import job_pointer as pointer_for
 from ftrt.checkpoint.storage import parse_url
-
-def distributed():
-    """``torch.distributed`` when a default process group is up, else None."""
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
+from ftrt.roundend import distributed
 
 
 def barrier() -> None:
@@ -36,25 +31,6 @@ def barrier() -> None:
     dist = distributed()
     if dist is not None:
         dist.barrier()
-
-
-def round_ends(rt: ftrt.Runtime) -> bool:
-    """Whether every rank agrees to end the round after this step, because ftrt asked (a node joins
-    or drains): :meth:`ftrt.Runtime.round_ending` seen on any rank, max-reduced over the default
-    group (each rank sees the request at its own moment). One tiny all-reduce per call; call it
-    once per optimizer step on every rank. Always False outside ``ftrt launch``."""
-    if not rt.launched_by_ftrt:
-        return False
-    mine = rt.round_ending()
-    dist = distributed()
-    if dist is None:
-        return mine
-    import torch
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([1.0 if mine else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() > 0
 
 
 def job_pointer(rt: ftrt.Runtime, output_dir: str) -> LatestPointer | None:

@@ -63,7 +63,8 @@ import ftrt
 from ftrt.checkpoint.storage import parse_url, write_bytes
 from ftrt.data import ElasticSampler
 from ftrt.errors import CheckpointCorrupt, ConfigError, FtrtError
-from ftrt.integrations.commits import barrier, commit_folder, job_pointer, newest_committed, round_ends
+from ftrt.integrations.commits import barrier, commit_folder, job_pointer, newest_committed
+from ftrt.roundend import RoundEndVote
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class FtrtCallback(TrainerCallback):
         self.rt = runtime or ftrt.init()
         self._pointers: dict[str, object] = {}  # rank 0: one etcd connection per output_dir, kept
         self._ending = False  # the round ends after this step's save (a node joins or drains)
+        self._round_ends = RoundEndVote(self.rt)
 
     def _pointer_for(self, output_dir: str):
         if output_dir not in self._pointers:
@@ -98,7 +100,7 @@ class FtrtCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.rt.heartbeat(state.global_step)
-        if state.global_step < state.max_steps and round_ends(self.rt):
+        if state.global_step < state.max_steps and self._round_ends():
             # A planned change: save this step (committed, though the next round is written) and
             # leave; the next round resumes from it with nothing redone.
             self._ending = True
@@ -116,6 +118,7 @@ class FtrtCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._round_ends.close()
         for pointer in self._pointers.values():
             if pointer is not None:
                 pointer.close()

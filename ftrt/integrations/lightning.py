@@ -88,7 +88,8 @@ from ftrt.checkpoint.pointer import LatestPointer
 from ftrt.checkpoint.storage import MANIFEST, parse_url
 from ftrt.data import ElasticSampler
 from ftrt.errors import CheckpointCorrupt, ConfigError
-from ftrt.integrations.commits import commit_folder, distributed, job_pointer, newest_committed, round_ends
+from ftrt.integrations.commits import commit_folder, job_pointer, newest_committed
+from ftrt.roundend import RoundEndVote, distributed
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +291,7 @@ class FtrtCallback(Callback):
         self._rng_at_batch: torch.Tensor | int | None = None  # a row or a seed, for the first batch
         self._epoch_end = False  # the last batch trained ended its epoch
         self._ending = False  # ftrt asked to end the round: save this step and leave at the next batch
+        self._round_ends = RoundEndVote(self.rt)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer = trainer  # rank, world and device for state_dict / load_state_dict
@@ -340,7 +342,7 @@ class FtrtCallback(Callback):
         self._epoch_end = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         self.rt.heartbeat(trainer.global_step)
         last = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
-        self._ending = not last and round_ends(self.rt)
+        self._ending = not last and self._round_ends()
 
     def _end_round(self, trainer) -> None:
         """A planned change (a node joins or drains): this step is saved, after ``ModelCheckpoint``
@@ -359,6 +361,7 @@ class FtrtCallback(Callback):
         self.rt.exit_for_round()
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self._round_ends.close()
         io = trainer.strategy.checkpoint_io
         if isinstance(io, FtrtCheckpointIO):
             io.flush()  # the last checkpoint is committed before the agent hears that this worker is done
