@@ -5,6 +5,7 @@ Worker-side API::
     import ftrt
     rt = ftrt.init()          # rank, world size, round; works under ftrt, torchrun or alone
     rt.heartbeat(step)        # progress for hang detection and ``ftrt status``
+    vote = ftrt.RoundEndVote(rt)  # each step: ``if vote():`` the round ends here (a join, a drain)
 """
 
 from ftrt._version import __version__
@@ -16,11 +17,13 @@ from ftrt.errors import (
     StoreUnavailable,
 )
 from ftrt.runtime import Runtime, init
+from ftrt.roundend import RoundEndVote  # noqa: E402 - needs ftrt.runtime
 
 __all__ = [
     "__version__",
     "init",
     "Runtime",
+    "RoundEndVote",
     "FtrtError",
     "ConfigError",
     "StoreUnavailable",

@@ -8,7 +8,7 @@ sees the request at its own moment, so the ranks agree on the step with one all-
 
 from __future__ import annotations
 
-import ftrt
+from ftrt.runtime import Runtime
 
 
 def distributed():
@@ -31,7 +31,7 @@ class RoundEndVote:
     outside ``ftrt launch``. :meth:`close` waits for the all-reduce in flight (call it before the
     process group goes; :meth:`ftrt.Runtime.exit_for_round` needs nothing)."""
 
-    def __init__(self, rt: ftrt.Runtime) -> None:
+    def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self._pending: tuple[object, object] | None = None  # (work, flag) of the call before
 

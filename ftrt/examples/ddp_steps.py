@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ftrt
-from ftrt.roundend import RoundEndVote
+from ftrt import RoundEndVote
 
 
 def main() -> None:
