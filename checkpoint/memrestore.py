@@ -71,7 +71,9 @@ class MemoryRestore:
             error = None
         except memtier.Unsupported as exc:
             need, error = set(), str(exc)
+        _diag.mark("restore.memory.indexed")
         needs: list[tuple[list[int], str | None]] = g.all_gather((sorted(need), error))
+        _diag.mark("restore.memory.planned")
         errors = [e for _, e in needs if e]
         if errors:
             log.warning("memory tier cannot restore this state (%s); using storage", errors[0])
