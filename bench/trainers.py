@@ -28,28 +28,41 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-# trainer -> (example module, its save-interval option, the flags that leave ftrt out)
-TRAINERS = {
-    "hf": ("ftrt.examples.hf_trainer", "--save-steps", ["--no-ftrt"]),
-    "trl": ("ftrt.examples.trl_grpo", "--save-steps", ["--ftrt", "none"]),
-    "lightning": ("ftrt.examples.lightning_steps", "--save-every", ["--no-ftrt"]),
-    "ddp": ("ftrt.examples.ddp_steps", "--ckpt-every", []),
+@dataclass(frozen=True)
+class Example:
+    """One example script: its module, the options naming its output, the flags each system adds."""
+
+    module: str
+    needs: str
+    """The module it needs installed (skipped otherwise)."""
+    names: tuple[str, str, str]
+    """Its options for the output (a folder, or a file), the save interval and the per-step metrics file."""
+    plain: tuple[str, ...] = ()
+    """Flags that leave ftrt out (torchrun's runs)."""
+    ftrt: tuple[str, ...] = ()
+    """Flags only ftrt's runs get."""
+
+
+EXAMPLES = {
+    "hf": Example("ftrt.examples.hf_trainer", "accelerate", ("--out", "--save-steps", "--metrics"), ("--no-ftrt",)),
+    "trl": Example("ftrt.examples.trl_grpo", "trl", ("--out", "--save-steps", "--metrics"), ("--ftrt", "none")),
+    "lightning": Example("ftrt.examples.lightning_steps", "pytorch_lightning", ("--out", "--save-every", "--metrics"),
+                         ("--no-ftrt",)),
+    # ftrt's part here is the round-end agreement; its output is one small resume file
+    "ddp": Example("ftrt.examples.ddp_steps", "torch", ("--ckpt", "--ckpt-every", "--progress"),
+                   ftrt=("--boundary",)),
 }
-NEEDS = {"hf": "accelerate", "trl": "trl", "lightning": "pytorch_lightning", "ddp": "torch"}
 
 
-def _script(trainer: str, system: str, out: Path, metrics: Path, steps: int, save_steps: int,
-            ddp_step_time: float) -> list[str]:
+def _script(ex: Example, system: str, out: Path, metrics: Path, steps: int, save_steps: int,
+            extra: tuple[str, ...]) -> list[str]:
     """The example's command line (after ``python``) for ``system``."""
-    module, save_flag, plain = TRAINERS[trainer]
-    if trainer == "ddp":  # its own option names; ftrt's part is the round-end agreement
-        out.mkdir(parents=True, exist_ok=True)
-        return ["-m", module, "--steps", str(steps), "--step-time", str(ddp_step_time), "--ckpt", str(out / "ckpt.json"),
-                save_flag, str(save_steps), "--progress", str(metrics), *(["--boundary"] if system == "ftrt" else [])]
-    return ["-m", module, "--out", str(out), "--steps", str(steps), save_flag, str(save_steps), "--metrics",
-            str(metrics), *(plain if system == "torchrun" else [])]
+    out_flag, save_flag, metrics_flag = ex.names
+    return ["-m", ex.module, out_flag, str(out), "--steps", str(steps), save_flag, str(save_steps), metrics_flag,
+            str(metrics), *extra, *(ex.plain if system == "torchrun" else ex.ftrt)]
 
 
 LOGS = Path(__file__).resolve().parent / "results" / "logs"
@@ -57,14 +70,15 @@ LOGS = Path(__file__).resolve().parent / "results" / "logs"
 
 
 def _run(trainer: str, system: str, save_steps: int, steps: int, work: Path, failures: list[str],
-         ddp_step_time: float) -> float:
+         extra: tuple[str, ...] = ()) -> float:
     out, metrics = work / f"{trainer}-{system}-out", work / f"{trainer}-{system}.jsonl"
     launcher = ["torch.distributed.run"] if system == "torchrun" else ["ftrt.cli.main", "launch"]
     for attempt in range(2):
         shutil.rmtree(out, ignore_errors=True)
+        out.unlink(missing_ok=True)  # an example whose output is one file
         metrics.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", *launcher, "--standalone", "--nproc-per-node", "2",
-               *_script(trainer, system, out, metrics, steps, save_steps, ddp_step_time)]
+               *_script(EXAMPLES[trainer], system, out, metrics, steps, save_steps, extra)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if res.returncode == 0:
             break
@@ -91,22 +105,24 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     trainers = [t.strip() for t in args.trainer.split(",") if t.strip()]
-    unknown = [t for t in trainers if t not in TRAINERS]
+    unknown = [t for t in trainers if t not in EXAMPLES]
     if unknown:
-        p.error(f"--trainer {','.join(unknown)}: give some of {', '.join(TRAINERS)}")
+        p.error(f"--trainer {','.join(unknown)}: give some of {', '.join(EXAMPLES)}")
     res: dict = {}
     failures: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for trainer in trainers:
-            if importlib.util.find_spec(NEEDS[trainer]) is None:
-                print(f"{trainer}: skipped ({NEEDS[trainer]} is not installed)", flush=True)
+            needs = EXAMPLES[trainer].needs
+            if importlib.util.find_spec(needs) is None:
+                print(f"{trainer}: skipped ({needs} is not installed)", flush=True)
                 continue
             for save in [int(x) for x in args.save_steps.split(",")]:
                 rows = {"torchrun": [], "ftrt": []}
                 for r in range(args.reps):  # interleaved, the order flipped every repeat
                     for system in (("torchrun", "ftrt") if r % 2 == 0 else ("ftrt", "torchrun")):
-                        rows[system].append(_run(trainer, system, save, args.steps, work, failures, args.ddp_step_time))
+                        extra = ("--step-time", str(args.ddp_step_time)) if trainer == "ddp" else ()
+                        rows[system].append(_run(trainer, system, save, args.steps, work, failures, extra))
                 ratios = [f / t for f, t in zip(rows["ftrt"], rows["torchrun"])]
                 res.setdefault(trainer, {})[f"save_every_{save}"] = {
                     **rows, "ratios": ratios, "median_ratio": statistics.median(ratios)}
