@@ -20,6 +20,7 @@ pytest.importorskip("accelerate", reason="the Trainer needs accelerate (in the t
 
 from ftrt.chaos.local import worker_pids  # noqa: E402
 from tests.agents.harness import FAST_WARM, Node, wait_until  # noqa: E402
+from tests.integrations.kit import drain_b, kill_b, two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -140,19 +141,17 @@ def _elastic_order() -> dict[int, list[int]]:
     return want
 
 
+def _two_elastic_nodes(tmp: Path, etcd: str, job_id: str, ledger: Path, fault) -> dict:
+    """An ElasticTrainer job on nodes a and b (1:2), ``fault`` applied after 5 steps at world size 2."""
+    return two_nodes(tmp, _job(tmp, "run", etcd, job_id, "1:2", 1, ELASTIC),
+                     lambda: sum(rows[0]["world"] == 2 for rows in _ledger(ledger).values()) >= 5,
+                     "5 steps at world size 2", fault)
+
+
 def test_a_lost_node_shrinks_the_elastic_trainer_which_trains_every_global_batch_exactly_once(tmp_path, etcd_endpoint,
                                                                                               job_id):
-    args = _job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, ELASTIC)
     ledger = tmp_path / "run-ledger.jsonl"
-    nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
-    try:
-        wait_until(lambda: sum(rows[0]["world"] == 2 for rows in _ledger(ledger).values()) >= 5, 180,
-                   "5 steps at world size 2")
-        nodes["b"].kill()
-        assert nodes["a"].wait(240) == 0, nodes["a"].log()[-3000:]
-    finally:
-        for n in nodes.values():
-            n.cleanup()
+    nodes = _two_elastic_nodes(tmp_path, etcd_endpoint, job_id, ledger, kill_b)
     last = _ledger(ledger)
     worlds = [last[step][0]["world"] for step in sorted(last)]
     assert worlds[0] == 2 and worlds[-1] == 1 and worlds == sorted(worlds, reverse=True), worlds
@@ -162,18 +161,8 @@ def test_a_lost_node_shrinks_the_elastic_trainer_which_trains_every_global_batch
 
 def test_a_drained_node_ends_the_round_at_a_step_boundary_and_no_step_is_trained_twice(tmp_path, etcd_endpoint,
                                                                                          job_id):
-    args = _job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, ELASTIC)
     ledger = tmp_path / "run-ledger.jsonl"
-    nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
-    try:
-        wait_until(lambda: sum(rows[0]["world"] == 2 for rows in _ledger(ledger).values()) >= 5, 180,
-                   "5 steps at world size 2")
-        nodes["b"].proc.send_signal(signal.SIGTERM)  # Kubernetes deletes b's pod
-        assert nodes["b"].wait(60) == 0, nodes["b"].log()[-3000:]
-        assert nodes["a"].wait(240) == 0, nodes["a"].log()[-3000:]
-    finally:
-        for n in nodes.values():
-            n.cleanup()
+    nodes = _two_elastic_nodes(tmp_path, etcd_endpoint, job_id, ledger, drain_b)
     assert "ended at a step boundary" in nodes["a"].log(), nodes["a"].log()[-3000:]
     logged = [json.loads(x)["step"] for x in (tmp_path / "run.jsonl").read_text().splitlines()]
     assert logged == list(range(1, STEPS + 1)), "a step was trained twice (or skipped)"

@@ -22,6 +22,7 @@ from ftrt.chaos.local import worker_pids  # noqa: E402
 from ftrt.data import ElasticSampler  # noqa: E402
 from ftrt.examples.lightning_steps import GLOBAL_BATCH, SAMPLES  # noqa: E402
 from tests.agents.harness import FAST_WARM, Node, wait_until  # noqa: E402
+from tests.integrations.kit import drain_b, kill_b, two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -81,17 +82,15 @@ def test_a_killed_worker_resumes_lightning_with_bit_identical_losses(tmp_path, r
     assert _losses(tmp_path / "run.jsonl") == ref  # every step's loss, bit for bit
 
 
+def _two_nodes(tmp: Path, etcd: str, job_id: str, fault) -> dict:
+    """A Lightning job on nodes a and b (1:2), ``fault`` applied after 6 steps at world size 2."""
+    return two_nodes(tmp, _job(tmp, "run", etcd, job_id, nnodes="1:2", nproc=1, step_time=0.3),
+                     lambda: sum(r["world"] == 2 for r in _rows(tmp / "run.jsonl")) >= 6, "6 steps at world size 2",
+                     fault)
+
+
 def test_a_lost_node_shrinks_the_world_and_trains_every_global_batch_once(tmp_path, etcd_endpoint, job_id):
-    args = _job(tmp_path, "run", etcd_endpoint, job_id, nnodes="1:2", nproc=1, step_time=0.3)
-    nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
-    try:
-        wait_until(lambda: sum(r["world"] == 2 for r in _rows(tmp_path / "run.jsonl")) >= 6, 180,
-                   "6 steps at world size 2")
-        nodes["b"].kill()
-        assert nodes["a"].wait(240) == 0, nodes["a"].log()[-3000:]
-    finally:
-        for n in nodes.values():
-            n.cleanup()
+    _two_nodes(tmp_path, etcd_endpoint, job_id, kill_b)
     worlds = {row["step"]: row["world"] for row in _rows(tmp_path / "run.jsonl")}
     assert sorted(worlds) == list(range(1, STEPS + 1)) and worlds[1] == 2 and worlds[STEPS] == 1, worlds
     # The attempt that counts for a step is its last round's; its ranks' shares, in rank order, must be
@@ -111,17 +110,7 @@ def test_a_lost_node_shrinks_the_world_and_trains_every_global_batch_once(tmp_pa
 
 def test_a_drained_node_ends_the_round_at_a_step_boundary_and_no_step_is_trained_twice(tmp_path, etcd_endpoint,
                                                                                          job_id):
-    args = _job(tmp_path, "run", etcd_endpoint, job_id, nnodes="1:2", nproc=1, step_time=0.3)
-    nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
-    try:
-        wait_until(lambda: sum(r["world"] == 2 for r in _rows(tmp_path / "run.jsonl")) >= 6, 180,
-                   "6 steps at world size 2")
-        nodes["b"].proc.send_signal(signal.SIGTERM)  # Kubernetes deletes b's pod
-        assert nodes["b"].wait(60) == 0, nodes["b"].log()[-3000:]
-        assert nodes["a"].wait(240) == 0, nodes["a"].log()[-3000:]
-    finally:
-        for n in nodes.values():
-            n.cleanup()
+    nodes = _two_nodes(tmp_path, etcd_endpoint, job_id, drain_b)
     assert "ended at a step boundary" in nodes["a"].log(), nodes["a"].log()[-3000:]
     steps = [row["step"] for row in _rows(tmp_path / "run.jsonl")]
     assert steps == list(range(1, STEPS + 1)), "a step was trained twice (or skipped)"

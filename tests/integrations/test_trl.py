@@ -16,6 +16,7 @@ pytest.importorskip("trl", reason="the trl extra is not installed")
 
 from ftrt.chaos.local import worker_pids  # noqa: E402
 from tests.agents.harness import FAST_WARM, Node, wait_until  # noqa: E402
+from tests.integrations.kit import kill_b, two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -106,16 +107,12 @@ def test_a_lost_node_shrinks_the_world_and_trains_every_prompt_exactly_once(tmp_
     steps, hold = 16, 6  # windows are 4 steps at world 2 and 8 at world 1: step 6 lies inside one
     args = _job(tmp_path, "run", etcd_endpoint, job_id, "--hold-after", str(hold), "--hold-file",
                 str(tmp_path / "go"), nnodes="1:2", nproc=1, steps=steps)
-    nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
-    try:
-        wait_until(lambda: (tmp_path / "run-out" / f"checkpoint-{hold}" / "manifest.json").exists(), 180,
-                   "step 6's commit")
-        nodes["b"].kill()
+    def lose_b_then_go_on(nodes):
+        kill_b(nodes)
         (tmp_path / "go").touch()
-        assert nodes["a"].wait(240) == 0, nodes["a"].log()[-3000:]
-    finally:
-        for n in nodes.values():
-            n.cleanup()
+
+    nodes = two_nodes(tmp_path, args, lambda: (tmp_path / "run-out" / f"checkpoint-{hold}" / "manifest.json").exists(),
+                      "step 6's commit", lose_b_then_go_on)
     log = nodes["a"].log()
     assert "checkpoint-6: it lies inside a generation window" in log, log[-3000:]  # back to a window boundary
     assert "checkpoint-4 was saved by 2 ranks, this run has 1" in log, log[-3000:]
