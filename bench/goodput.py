@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from bench.recovery import Cluster
+from ftrt import _diag
 from ftrt.chaos.local import read_jsonl, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,11 +133,13 @@ def run_one(system: str, *, duration: float, every: float, down: float, ckpt_eve
                 t = c.nodes[victim].kill()
                 c.nodes[victim].cleanup()
                 faults.append({"node": victim, "killed_at": round(t - t_first, 3)})
+                _diag.mark("bench.killed", node=victim, at=t)
                 log(f"[goodput] {system}: {t - t_first:6.1f} s  killed {victim}")
                 pending_restart = (t + down, victim)
             if pending_restart and now >= pending_restart[0]:
                 victim = pending_restart[1]
                 c.add(victim, script)
+                _diag.mark("bench.restarted", node=victim)
                 faults[-1]["restarted_at"] = round(time.time() - t_first, 3)
                 log(f"[goodput] {system}: {time.time() - t_first:6.1f} s  restarted {victim}")
                 pending_restart = None

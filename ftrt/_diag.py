@@ -12,7 +12,8 @@ nowhere else. Each switch removes a safety mechanism or a saving, so it is for m
 
 ``FTRT_DIAG_TRACE=PATH`` makes :func:`mark` append one JSON line per phase of a worker's start
 (assigned, process group, restore, first step) to ``PATH``, so a bench can split a pause into its
-parts. Off (the default), :func:`mark` does nothing.
+parts, and :func:`trace_gc` adds every slow garbage collection. Off (the default), both do
+nothing.
 """
 
 from __future__ import annotations
@@ -54,3 +55,24 @@ def mark(event: str, **fields: object) -> None:
     line = {"event": event, "time": time.time(), "pid": os.getpid(), "rank": os.environ.get("RANK"), **fields}
     with open(path, "a", encoding="utf-8") as f:  # one short write: lines from processes do not interleave
         f.write(json.dumps(line) + "\n")
+
+
+def trace_gc(threshold_s: float = 0.005) -> None:
+    """With ``$FTRT_DIAG_TRACE`` set, :func:`mark` every garbage collection of this process that
+    takes ``threshold_s`` or more (``gc`` with its generation, objects collected and seconds), so a
+    trace shows when a pause was the collector's. Off, it does nothing."""
+    if not os.environ.get(TRACE_ENV):
+        return
+    import gc
+
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            took = time.perf_counter() - started[0]
+            if took >= threshold_s:
+                mark("gc", generation=info["generation"], collected=info["collected"], seconds=round(took, 4))
+
+    gc.callbacks.append(on_gc)
