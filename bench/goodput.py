@@ -15,7 +15,8 @@ that one ends a torchrun job for good; ftrt has no such node, but both get the s
 
 Goodput = productive step time / wall time, over a window of ``--duration`` seconds that starts
 once the job trains and, when faults are scheduled, ftrt's spare workers are warm (start-up is
-paid once per job; each run reports it as ``startup_s``).
+paid once per job; each run reports it as ``startup_s``). Each run also reports ``steal_s``, the
+CPU the hypervisor took from this VM during the window: a run the host stalled shows it there.
 Productive step time is the summed duration of the steps that stand at the end: a step a restart
 threw away (trained after the last checkpoint and redone) counts as lost, as does every stall.
 Per fault the table gives the longest pause in training after the kill and after the rejoin.
@@ -38,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import schedtrace
 from bench.recovery import Cluster
 from ftrt import _diag
 from ftrt.chaos.local import read_jsonl, wait_until
@@ -123,6 +125,7 @@ def run_one(system: str, *, duration: float, every: float, down: float, ckpt_eve
         startup = first["time"] - first["step_s"] - t_launch
         t_first = time.time()
         t_end = t_first + duration
+        steal0 = schedtrace.steal_seconds()
         kills = [t_first + every * k for k in range(1, int(duration // every) + 1) if every * k + down < duration]
         pending_restart: tuple[float, str] | None = None
         while time.time() < t_end:
@@ -145,13 +148,17 @@ def run_one(system: str, *, duration: float, every: float, down: float, ckpt_eve
                 pending_restart = None
             time.sleep(0.05)
         lines = [x for x in read_jsonl(metrics) if t_first < x["time"] <= t_end]
+        steal = schedtrace.steal_seconds() - steal0
+        if steal > 1.0:
+            log(f"[goodput] {system}: the host took {steal:.1f} s of CPU from this VM during the run (steal)")
     finally:
         c.close()
         if os.environ.get("FTRT_BENCH_KEEP"):  # keep the agents' and workers' logs to explain a run
             log(f"[goodput] {system}: kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    return {**summarize(system, lines, faults, t_first, duration, ckpt_every), "startup_s": round(startup, 2)}
+    return {**summarize(system, lines, faults, t_first, duration, ckpt_every), "startup_s": round(startup, 2),
+            "steal_s": round(steal, 2)}
 
 
 def summarize(system: str, lines: list[dict], faults: list[dict], t_first: float, duration: float,

@@ -136,3 +136,15 @@ def cpu_ticks(pid: int) -> int:
         return int(fields[11]) + int(fields[12])
     except OSError:
         return 0
+
+
+def steal_seconds() -> float:
+    """CPU time the hypervisor has taken from this VM's vCPUs since boot (``steal`` in
+    ``/proc/stat``, summed over CPUs; 0.0 where the kernel does not report it). A run whose steal
+    grew was slowed by the host, not by what it measures."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+    except (OSError, ValueError):
+        return 0.0
