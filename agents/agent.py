@@ -57,7 +57,7 @@ from ftrt.agents.service import AgentServicer, AgentStatus, bind_server, serve
 from ftrt.agents.states import AgentState, check_transition
 from ftrt.agents.telemetry import Metrics, metrics_for
 from ftrt.agents.worker_env import recorded_error, worker_env
-from ftrt.agents.workers import Worker, WorkerPool, change_interval, first_warmup_grace, idle_warm_grace
+from ftrt.agents.workers import Worker, WorkerPool, change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, StoreUnavailable, WorkerFailure
 from ftrt.jobkeys import JobKeys
@@ -438,9 +438,6 @@ class Agent:
         try:
             await self._join()
             await self.rdzv.start()
-            rnd = self.rdzv.view.round
-            self._spawn(self.pool.finish_first_warmup(first_warmup_grace(
-                rnd is not None and rnd.active and not self._included(rnd))))
             self._set_state(AgentState.WAITING)
             self.log.info(
                 "joined job %r as %s (agent %s, %d worker(s), etcd %s)",

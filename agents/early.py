@@ -50,10 +50,8 @@ class EarlyStart:
         early = cls(run_dir, fence, round_end, base_env, mem_dir)
         if spawn and warm and not _diag.off("template"):
             # One warm-up for the node, not one per worker: the spares are forks of it.
-            # At idle priority until the agent knows whether the job waits for this node
-            # (:func:`~ftrt.agents.workers.first_warmup_grace`).
             early.template = spawn_template(base_env=base_env, fence_path=fence.path,
-                                            warm_imports=warm_imports, idle=True)
+                                            warm_imports=warm_imports, idle=False)
         elif spawn and warm:
             for i in range(nproc):
                 early.spawned.append(spawn_bootstrap(

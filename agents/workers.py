@@ -12,7 +12,6 @@ Output: each worker's stdout and stderr lines go to the agent's stdout with a ``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import json
 import logging
@@ -49,25 +48,6 @@ def idle_warm_grace(change_interval_s: float) -> float:
     tenth, while a job whose membership rarely changes warms its spares on idle CPU only.
     """
     return min(max(0.1 * change_interval_s, IDLE_WARM_GRACE), IDLE_WARM_GRACE_MAX)
-
-
-NEWCOMER_IDLE_GRACE = 10.0
-"""The longest a new node's first warm-up waits for idle CPU while the job trains without it."""
-
-
-def first_warmup_grace(job_trains_without_node: bool) -> float:
-    """Seconds a new node's template (started at SCHED_IDLE by :class:`~ftrt.agents.early.EarlyStart`)
-    may warm at idle priority before it is moved to normal priority.
-
-    While the job trains without this node, the node only adds capacity: its warm-up (several
-    CPU-seconds) should take idle CPU, not CPU from the running workers where they share a host
-    (measured: a rejoining node's normal-priority warm-up slowed the running job's steps by ~60 %
-    for ~4 s on a 2-core machine). On a machine of its own the node's CPUs are idle and nothing
-    changes. When the job waits for nodes (its first round, or too few members), there is
-    nothing to protect and the warm-up goes at once (0). The bound keeps a host with no idle CPU
-    from keeping the node out for long.
-    """
-    return NEWCOMER_IDLE_GRACE if job_trains_without_node else 0.0
 
 
 def change_interval(mtbf_s: float, rounds: int, age_s: float) -> float:
@@ -364,21 +344,6 @@ class WorkerPool:
         self._template = tpl
         log.info("spare template pid %d started: spares will be forked from it", tpl.worker.pid)
         return tpl
-
-    async def finish_first_warmup(self, idle_grace: float) -> None:
-        """Move the node's first template to normal priority if it is still warming after
-        ``idle_grace`` seconds (see :func:`first_warmup_grace`); a round that needs its spares
-        earlier boosts it in :meth:`take`."""
-        tpl = self._template
-        if tpl is None or not tpl.warming:
-            return
-        if idle_grace > 0:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(tpl.worker.ready.wait(), idle_grace)
-        if tpl.warming:
-            log.info("spare template still warming after %.0f s at idle priority; moving it to normal priority",
-                     idle_grace)
-            _boost(tpl.worker)
 
     async def _template_ready(self, idle_grace: float) -> None:
         """Start the template if there is none, and wait until it is warm (boosted after

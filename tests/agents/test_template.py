@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from ftrt.agents.workers import NEWCOMER_IDLE_GRACE, WorkerPool, first_warmup_grace, spawn_template
+from ftrt.agents.workers import WorkerPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,28 +166,3 @@ def test_a_launched_nodes_workers_and_their_replacements_are_forks_of_one_templa
     seen = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("round*-rank*.json")}
     assert set(seen) == {"round1-rank0", "round1-rank1", "round2-rank0", "round2-rank1"}, seen
     assert all(s == {"forked": True, "dcp": True} for s in seen.values()), seen
-
-
-def test_a_new_nodes_template_warms_at_idle_priority_only_while_the_job_trains_without_it(tmp_path, monkeypatch):
-    # A warm import slow enough to look at the template while it warms.
-    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(4)\n")
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    assert first_warmup_grace(job_trains_without_node=False) == 0.0  # the job waits for it: no delay
-    assert first_warmup_grace(job_trains_without_node=True) == NEWCOMER_IDLE_GRACE
-
-    async def main():
-        p = Pool(tmp_path)
-        # As EarlyStart starts it: at idle priority, before the agent knows what the job needs.
-        tpl = p.pool.adopt_template(*spawn_template(base_env=p.pool.base_env, fence_path=p.pool.fence_path,
-                                                    warm_imports=("slowmod",), idle=True))
-        try:
-            await asyncio.sleep(0.5)
-            assert tpl.warming and os.sched_getscheduler(tpl.worker.pid) == os.SCHED_IDLE
-            await p.pool.finish_first_warmup(idle_grace=1.0)  # still warming after the grace: boosted
-            assert tpl.warming and os.sched_getscheduler(tpl.worker.pid) == os.SCHED_OTHER
-            await asyncio.wait_for(tpl.worker.ready.wait(), 30)
-            assert tpl.usable
-        finally:
-            await p.pool.close(1)
-
-    asyncio.run(main())
