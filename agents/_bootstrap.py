@@ -44,13 +44,13 @@ def _report(fd: int, message: dict) -> None:
 
 
 def _freeze_heap() -> None:
-    """Collect once, then move every object alive (the warm imports', ~320k with torch) out of
-    the garbage collector's reach for good (``gc.freeze``). Otherwise the first full collection
-    in each worker walks them all: ~0.2 s here, at a random point early in the worker's life, and
-    every other rank waits for it in the next collective (measured at rounds' restores with
+    """Move every object alive (the warm imports', ~320k with torch) out of the garbage
+    collector's reach for good (``gc.freeze``). Otherwise the first full collection in each
+    worker walks them all: ~0.2 s here, at a random point early in the worker's life, and every
+    other rank waits for it in the next collective (measured at rounds' restores with
     ``FTRT_DIAG_TRACE``). Forked spares inherit the frozen heap, and no collection then writes to
-    its shared pages."""
-    gc.collect()
+    its shared pages. No collection first: the imports leave a few dozen cyclic objects, not worth
+    ~0.1 s on a cold start's path."""
     gc.freeze()
 
 

@@ -17,7 +17,7 @@ from ftrt.errors import (
     StoreUnavailable,
 )
 from ftrt.runtime import Runtime, init
-from ftrt.roundend import RoundEndVote  # noqa: E402 - needs ftrt.runtime
+from ftrt.roundend import RoundEndVote
 
 __all__ = [
     "__version__",
