@@ -9,6 +9,14 @@ optimum checkpoint interval", CACM 17(9), 1974), refined by Daly to ``sqrt(2 C M
 dumps", Future Generation Computer Systems 22(3), 2006). With ``C`` a few milliseconds and
 ``M`` an hour, that is every few seconds; with a fault a minute, close to every step.
 
+Each tier plans for the faults it is there to recover from. A memory checkpoint that another node
+holds a copy of recovers the loss of a node, so storage is needed only when every in-memory copy
+of some rank's state is gone at once (several nodes, the whole job): behind such a memory tier,
+the storage tier plans for those losses (:data:`MEMORY_LOSS`), which are far rarer than faults.
+This is multi-level checkpointing (A. Moody, G. Bronevetsky, K. Mohror, B. R. de Supinski,
+"Design, Modeling, and Evaluation of a Scalable Multi-level Checkpointing System", SC 2010), where
+each level's interval follows the rate of the failures that need that level.
+
 Everything here is a pure function of its inputs, so the decision can be tested with made-up
 numbers, and so that every rank of a job reaches the same decision when it is given the same
 inputs (the ranks must save together: give them agreed numbers, e.g. all-reduced, see
@@ -66,24 +74,32 @@ class MtbfEstimate:
 
 
 def estimate_mtbf(configured_s: float | None, faults: int, elapsed_s: float,
-                  prior_s: float = PRIOR_MTBF_S) -> MtbfEstimate:
+                  prior_s: float = PRIOR_MTBF_S, *, counted: tuple[str, str] = ("fault", "faults")) -> MtbfEstimate:
     """The MTBF to plan for.
 
     - configured (``--mtbf`` or the trainer's setting): that, always;
     - ``faults`` failures in the job's ``elapsed_s`` so far: ``elapsed_s / faults``;
     - none yet: the larger of ``prior_s`` and the job's age (a job that has run two hours
       without a fault has shown an MTBF of at least two hours).
+
+    ``counted`` names what ``faults`` counts (singular, plural) for the estimate's source, e.g.
+    the storage tier's ``("loss of memory checkpoints", "losses of memory checkpoints")``.
     """
+    one, many = counted
     if configured_s is not None:
         if configured_s <= 0:
             raise ConfigError(f"The MTBF must be a positive number of seconds, got {configured_s!r}.")
         return MtbfEstimate(configured_s, "configured")
     elapsed = max(elapsed_s, 0.0)
     if faults > 0 and elapsed > 0:
-        return MtbfEstimate(elapsed / faults, f"observed: {faults} fault(s) in {elapsed:.0f} s")
+        return MtbfEstimate(elapsed / faults, f"observed: {faults} {one if faults == 1 else many} in {elapsed:.0f} s")
     if elapsed > prior_s:
-        return MtbfEstimate(elapsed, f"observed: no fault in {elapsed:.0f} s")
-    return MtbfEstimate(prior_s, f"prior: no fault yet in {elapsed:.0f} s")
+        return MtbfEstimate(elapsed, f"observed: no {one} in {elapsed:.0f} s")
+    return MtbfEstimate(prior_s, f"prior: no {one} yet in {elapsed:.0f} s")
+
+
+MEMORY_LOSS = ("loss of memory checkpoints", "losses of memory checkpoints")
+"""What the storage tier's MTBF counts when a memory tier covers a node's loss (:func:`estimate_mtbf`)."""
 
 
 @dataclass(frozen=True)
@@ -208,5 +224,5 @@ class Cadence:
         return choice
 
 
-__all__ = ["Cadence", "Choice", "Interval", "MtbfEstimate", "PRIOR_MTBF_S", "choose_interval",
+__all__ = ["Cadence", "Choice", "Interval", "MEMORY_LOSS", "MtbfEstimate", "PRIOR_MTBF_S", "choose_interval",
            "estimate_mtbf", "parse_interval", "young_daly_interval"]

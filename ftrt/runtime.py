@@ -198,19 +198,26 @@ class Runtime:
         return Checkpointer(url, keep, storage_options, **kwargs)
 
     def cadence(self, name: str, interval: "Interval", *, max_interval_s: float, mtbf: float | None = None,
-                on_choice: "Callable[[str, Choice], None] | None" = None) -> "Cadence":
+                on_choice: "Callable[[str, Choice], None] | None" = None,
+                behind_memory: bool = False) -> "Cadence":
         """A :class:`ftrt.checkpoint.cadence.Cadence` for one checkpoint tier of this job.
 
         ``interval`` is a number of steps or ``"auto"``; ``mtbf`` (seconds) overrides the
         launcher's ``--mtbf``; without either, the MTBF is observed from the job's faults
         (:func:`~ftrt.checkpoint.cadence.estimate_mtbf`). Feed it agreed numbers on every rank.
         ``on_choice(name, choice)`` hears each new interval (default: a log line).
-        """
-        from ftrt.checkpoint.cadence import Cadence, estimate_mtbf
 
-        configured = mtbf if mtbf is not None else self.mtbf
+        ``behind_memory``: the tier is a storage tier behind a memory tier that recovers a node's
+        loss, so it plans for losses of every in-memory copy instead of for every fault: ``mtbf``
+        then means their MTBF, the launcher's ``--mtbf`` does not apply, and the fault counts
+        given to :meth:`Cadence.update` should count those losses.
+        """
+        from ftrt.checkpoint.cadence import MEMORY_LOSS, Cadence, estimate_mtbf
+
+        configured = mtbf if mtbf is not None or behind_memory else self.mtbf
+        counted = MEMORY_LOSS if behind_memory else ("fault", "faults")
         return Cadence(name, interval, max_interval_s=max_interval_s,
-                       mtbf=lambda faults, elapsed: estimate_mtbf(configured, faults, elapsed),
+                       mtbf=lambda faults, elapsed: estimate_mtbf(configured, faults, elapsed, counted=counted),
                        on_choice=on_choice)
 
     @property

@@ -17,7 +17,7 @@ from ftrt.grpo.config import GRPOConfig
 from ftrt.runtime import Runtime
 
 if TYPE_CHECKING:
-    from ftrt.checkpoint.cadence import Choice
+    from ftrt.checkpoint.cadence import Cadence, Choice
     from ftrt.checkpoint.checkpointer import Checkpointer, SaveHandle
 
 
@@ -41,14 +41,34 @@ class Cadences:
         memory = c.memory_interval if ck is not None and ck.has_memory_tier else 0
         self.memory = rt.cadence("memory", memory, max_interval_s=c.memory_max_interval_s, mtbf=c.mtbf,
                                  on_choice=say)
-        self.storage = rt.cadence("storage", c.interval, max_interval_s=c.max_interval_s, mtbf=c.mtbf,
-                                  on_choice=say)
         self.rt = rt
+        self._say = say
+        self._cfg = c
+        self.behind_memory = memory != 0 and rt.world_size > rt.local_world_size
+        """Whether the memory tier recovers a node's loss here (its copies are replicated to another
+        node), so that the storage tier plans for losses of every memory copy, not for every fault."""
+        self.storage = self._storage_cadence()
         self._checkpointing = ck is not None
         self._unsettled: list[SaveHandle] = []
 
-    def resumed(self, step: int) -> None:
-        """The run restored ``step``: both tiers count their next save from there."""
+    def _storage_cadence(self) -> "Cadence":
+        c = self._cfg
+        if self.behind_memory:
+            return self.rt.cadence("storage", c.interval, max_interval_s=c.max_interval_s, mtbf=c.storage_mtbf,
+                                   on_choice=self._say, behind_memory=True)
+        return self.rt.cadence("storage", c.interval, max_interval_s=c.max_interval_s, mtbf=c.mtbf,
+                               on_choice=self._say)
+
+    def resumed(self, step: int, tier: str | None) -> None:
+        """The run restored ``step`` from ``tier`` ("memory" or "storage"): both tiers count their
+        next save from there.
+
+        A restore from storage after a fault shows that the memory tier did not recover it: for
+        the rest of this round the storage tier plans for every fault again.
+        """
+        if self.behind_memory and tier == "storage" and self.rt.faults > 0:
+            self.behind_memory = False
+            self.storage = self._storage_cadence()
         self.memory.saved(step, measured=False)
         self.storage.saved(step, measured=False)
 
@@ -76,9 +96,13 @@ class Cadences:
     def update(self, agreed: list[float], world: int) -> None:
         """Feed the all-reduced sums of :meth:`report` (over ``world`` ranks) to both cadences."""
         step_s, age, mem_sum, mem_n, sto_sum, sto_n = agreed
-        for cadence, total, n in ((self.memory, mem_sum, mem_n), (self.storage, sto_sum, sto_n)):
+        # Behind the memory tier, storage counts the losses of every memory copy: a round that
+        # has seen one is no longer behind it (resumed), so none is counted here.
+        storage_faults = 0 if self.behind_memory else self.rt.faults
+        for cadence, total, n, faults in ((self.memory, mem_sum, mem_n, self.rt.faults),
+                                          (self.storage, sto_sum, sto_n, storage_faults)):
             cadence.update(step_s=step_s / world, save_cost_s=total / n if n else None,
-                           faults=self.rt.faults, elapsed_s=age / world)
+                           faults=faults, elapsed_s=age / world)
 
     def decide(self, done: int, steps: int, *, round_ends: bool, durable: bool = False) -> "SaveDecision":
         """What to save once ``done`` of ``steps`` steps are trained (see :func:`decide_save`)."""

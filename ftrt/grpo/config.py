@@ -59,9 +59,15 @@ class CheckpointConfig(_Strict):
     memory_interval: Union[Literal["auto"], int] = Field(
         "auto", description="steps between in-memory checkpoints under ftrt launch (0: none; a crash "
         "loses at most this many steps), or auto: chosen like interval")
-    mtbf: float | None = Field(None, gt=0, description="mean seconds between failures that auto "
-                               "plans for (default: ftrt launch --mtbf, else observed from the job's "
-                               "faults, else one hour)")
+    mtbf: float | None = Field(None, gt=0, description="mean seconds between faults (a node or a "
+                               "worker lost) that auto plans for (default: ftrt launch --mtbf, else "
+                               "observed from the job's faults, else one hour); the storage tier plans "
+                               "for storage_mtbf instead where memory checkpoints recover a node's loss")
+    storage_mtbf: float | None = Field(None, gt=0, description="mean seconds between losses of every "
+                                       "in-memory copy of the state (several nodes at once, the whole "
+                                       "job), which storage's auto plans for under ftrt launch with a "
+                                       "memory tier on 2 or more nodes (default: one hour, or the job's "
+                                       "age once longer)")
     max_interval_s: float = Field(1800.0, gt=0, description="auto never lets more than this many "
                                   "seconds of training go without a storage checkpoint")
     memory_max_interval_s: float = Field(300.0, gt=0, description="auto never lets more than this "

@@ -266,7 +266,7 @@ def _resume(run: _Run) -> None:
     tr = run.trainer  # after the restore, which may replace the counters' dict
     if restored is not None:
         tr["resumes"] += 1
-        run.cadence.resumed(tr["step"])
+        run.cadence.resumed(tr["step"], ck.last_restore_tier)
     if run.rank != 0:
         return
     dropped = run.metrics.rewind(tr["step"])

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from ftrt.checkpoint.cadence import (
+    MEMORY_LOSS,
     PRIOR_MTBF_S,
     Cadence,
     MtbfEstimate,
@@ -33,7 +34,12 @@ def test_young_daly_is_sqrt_2cm_minus_c_and_m_when_saves_outlast_failures():
 def test_mtbf_is_configured_else_observed_else_the_prior():
     assert estimate_mtbf(120.0, faults=9, elapsed_s=10) == MtbfEstimate(120.0, "configured")
     assert estimate_mtbf(None, faults=3, elapsed_s=600).seconds == 200
-    assert "3 fault(s) in 600 s" in estimate_mtbf(None, faults=3, elapsed_s=600).source
+    assert "3 faults in 600 s" in estimate_mtbf(None, faults=3, elapsed_s=600).source
+    assert "1 fault in 600 s" in estimate_mtbf(None, faults=1, elapsed_s=600).source
+    # What the faults are is named, e.g. the storage tier's behind a memory tier.
+    lost = estimate_mtbf(None, faults=2, elapsed_s=600, counted=MEMORY_LOSS)
+    assert lost.seconds == 300 and lost.source == "observed: 2 losses of memory checkpoints in 600 s"
+    assert estimate_mtbf(None, 0, 10, counted=MEMORY_LOSS).source == "prior: no loss of memory checkpoints yet in 10 s"
     early = estimate_mtbf(None, faults=0, elapsed_s=10)
     assert early.seconds == PRIOR_MTBF_S and early.source.startswith("prior")
     assert estimate_mtbf(None, faults=0, elapsed_s=3 * PRIOR_MTBF_S).seconds == 3 * PRIOR_MTBF_S

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+import time
 
+import pytest
+
+from ftrt.checkpoint import Checkpointer
 from ftrt.checkpoint.storage import list_steps, parse_url
+from ftrt.grpo.checkpointing import Cadences
+from ftrt.grpo.config import load_config
+from ftrt.runtime import Runtime
 
 TINY = ["steps=25", "prompts_per_step=4", "group_size=4", "model.d_model=16", "model.n_layers=1",
         "model.n_heads=2", "progress=none", "checkpoint.keep=1000"]
@@ -54,3 +62,42 @@ def test_the_save_after_a_step_follows_the_cadences_the_last_step_and_a_round_en
     # When the next round is inactive (the job waits or stops), that save goes to storage.
     assert decide(4, round_ends=True, durable=True) == ("storage", False)
     assert decide(10, checkpointing=False, storage_due=True, memory_due=True) == (None, False)
+
+
+def test_behind_a_memory_tier_on_two_nodes_storage_plans_for_losses_of_memory_not_for_faults(tmp_path, capsys):
+    def choices(rt: Runtime, *overrides: str, resumed_from: str | None = None) -> str:
+        """The cadences' announcements after one agreed update: 5 ms memory saves, 50 ms storage ones."""
+        cfg = load_config(None, list(overrides))
+        with Checkpointer(str(tmp_path / "ck"), mem_dir=str(tmp_path / "mem")) as ck:
+            cadences = Cadences(rt, cfg, ck, announce=True)
+            if resumed_from:
+                cadences.resumed(3, resumed_from)
+            world = rt.world_size
+            cadences.update([0.4 * world, 100.0 * world, 0.005 * world, world, 0.05 * world, world], world)
+        return capsys.readouterr().out
+
+    def interval(out: str, tier: str) -> float:
+        line = next(x for x in out.splitlines() if f"] {tier} checkpoints every" in x)
+        return float(line.split(" every ")[1].split(" s ")[0])
+
+    # A fault a minute on 2 nodes: memory plans for it; a lost node is recovered from memory, so
+    # storage plans for losing every memory copy (none seen yet: the prior hour).
+    two_nodes = Runtime(world_size=2, local_world_size=1, faults=4, mtbf=60.0, job_started=time.time() - 100)
+    out = choices(two_nodes)
+    assert interval(out, "memory") == pytest.approx(math.sqrt(2 * 0.005 * 60) - 0.005, abs=0.01), out
+    assert interval(out, "storage") == pytest.approx(math.sqrt(2 * 0.05 * 3600) - 0.05, abs=0.01), out
+    assert "MTBF 3600 s (prior: no loss of memory checkpoints yet in 100 s)" in out
+    # Configured, that MTBF is used.
+    assert interval(choices(two_nodes, "checkpoint.storage_mtbf=600"), "storage") == pytest.approx(
+        math.sqrt(2 * 0.05 * 600) - 0.05, abs=0.01)
+    # A round that had to restore from storage after a fault: memory did not recover it, so storage
+    # plans for every fault again; a restore from memory changes nothing.
+    every_fault = math.sqrt(2 * 0.05 * 60) - 0.05
+    assert interval(choices(two_nodes, resumed_from="storage"), "storage") == pytest.approx(every_fault, abs=0.01)
+    assert interval(choices(two_nodes, resumed_from="memory"), "storage") == pytest.approx(
+        math.sqrt(2 * 0.05 * 3600) - 0.05, abs=0.01)
+    # One node holds every copy (its loss is the job's), and without memory checkpoints there is no
+    # tier in front: storage plans for every fault.
+    one_node = Runtime(world_size=2, local_world_size=2, faults=4, mtbf=60.0, job_started=time.time() - 100)
+    assert interval(choices(one_node), "storage") == pytest.approx(every_fault, abs=0.01)
+    assert interval(choices(two_nodes, "checkpoint.memory_interval=0"), "storage") == pytest.approx(every_fault, abs=0.01)
