@@ -126,9 +126,11 @@ class LaunchConfig(BaseModel):
         "successors): any K nodes lost at once still leave each lost rank's newest copy on a survivor.",
     )
     mtbf: Optional[float] = Field(
-        None, gt=0, description="Mean seconds between failures to plan checkpoints for (workers read it "
-        "as FTRT_MTBF; a checkpoint interval of 'auto' is chosen from it). Default: observed from the "
-        "job's faults so far, or one hour while there are none.",
+        None, gt=0, description="Mean seconds between faults (a node or a worker lost) to plan checkpoints "
+        "for (workers read it as FTRT_MTBF; a checkpoint interval of 'auto' is chosen from it). Default: "
+        "observed from the job's faults so far, or one hour while there are none. On 2 or more nodes a "
+        "storage interval of 'auto' plans for losing every memory copy instead (the trainer's "
+        "checkpoint.storage_mtbf).",
     )
     agent_tls: AgentTls = Field(
         default_factory=AgentTls,

@@ -167,8 +167,9 @@ FLAGS: tuple[Flag | FlagGroup, ...] = (
          "copies of each node's memory checkpoints on other nodes (its K ring successors; default {default}): "
          "any K nodes lost at once still restore from memory", type=int, metavar="K"),
     Flag("mtbf", ("--mtbf",), None,
-         "mean seconds between failures to plan checkpoint cadence for (default: observed from the "
-         "job's faults, or one hour while there are none)", type=float, metavar="SECONDS"),
+         "mean seconds between faults (a node or a worker lost) to plan checkpoint cadence for (default: "
+         "observed from the job's faults, or one hour while there are none); on 2 or more nodes storage "
+         "plans for losing every memory copy instead", type=float, metavar="SECONDS"),
     Flag("checkpoint_key_file", ("--checkpoint-key-file",), None,
          "the job's checkpoint key: checkpoints are signed (HMAC-SHA256) and only signed ones restored",
          metavar="FILE"),

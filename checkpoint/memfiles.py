@@ -18,6 +18,33 @@ def current_slot(directory: Path) -> int | None:
         return None
 
 
+INDEXES = ("previous.json", "current.json")
+"""A directory's index files, in the order a slot's checkpoint is withdrawn (:func:`invalidate_slot`)."""
+
+
+def index_slots(directory: Path) -> dict[str, int]:
+    """The slot each index file of ``directory`` names, by file name (files absent or unreadable left out)."""
+    out: dict[str, int] = {}
+    for name in INDEXES:
+        try:
+            slot = json.loads((directory / name).read_text())["slot"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if type(slot) is int:
+            out[name] = slot
+    return out
+
+
+def withdraw(directory: Path, names: list[str]) -> None:
+    """Remove these index files of ``directory`` (in :data:`INDEXES` order); absent ones are fine."""
+    for name in INDEXES:
+        if name in names:
+            try:
+                (directory / name).unlink()
+            except FileNotFoundError:
+                pass
+
+
 def invalidate_slot(directory: Path, slot: int) -> None:
     """Withdraw whichever index points at ``slot`` before that slot is rewritten."""
     for name in ("previous.json", "current.json"):

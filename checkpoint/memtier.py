@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from ftrt.checkpoint import skeleton as skel
-from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
+from ftrt.checkpoint.memfiles import index_slots, publish_index, withdraw
 from ftrt.checkpoint.memindex import ITEMSIZE, BadIndex, IndexEntry, MemIndex, check_index
 from ftrt.checkpoint.staging import _is_dtensor
 
@@ -129,16 +129,21 @@ class Arena:
         self._maps: dict[int, torch.Tensor] = {}
         self._sizes: dict[int, int] = {}
         self._views: dict[int, tuple[tuple, torch.Tensor, dict[str, torch.Tensor]]] = {}
+        self._indexes = index_slots(self.dir)
+        """The slot ``current.json`` and ``previous.json`` name. A rank's directory has one writer,
+        its worker, so from here on this arena knows them without reading the files at every save."""
 
     def current_slot(self) -> int | None:
-        return current_slot(self.dir)
+        """The slot of the rank's current memory checkpoint (None: there is none)."""
+        return self._indexes.get("current.json")
 
     def buffers(self, slot: int, entries: list[Entry], size: int) -> dict[str, torch.Tensor]:
         """Tensors viewing slot ``slot`` of the arena, laid out as ``entries``.
 
         The checkpoint that slot held (``previous.json``) stops existing before it is overwritten.
         """
-        invalidate_slot(self.dir, slot)
+        withdraw(self.dir, [name for name, held in self._indexes.items() if held == slot])
+        self._indexes = {name: held for name, held in self._indexes.items() if held != slot}
         if self._sizes.get(slot) != size:
             path = self.dir / f"slot-{slot}.bin"
             with open(path, "wb") as f:
@@ -167,6 +172,8 @@ class Arena:
             "skeleton": skeleton,
         }
         publish_index(self.dir, index)
+        current = self._indexes.get("current.json")
+        self._indexes = {"current.json": slot, **({"previous.json": current} if current is not None else {})}
         return index
 
 

@@ -50,6 +50,9 @@ class SaveHandle:
         self.persist_s = 0.0
         self.blocked_s = 0.0
         """Time the caller's thread spent in ``save()`` and ``wait_staged()`` for this save."""
+        self.vote_wait_s = 0.0
+        """Of :attr:`blocked_s`, the time the ``skip_if_busy`` vote waited for other ranks to get
+        there (its wall time less the CPU time it took)."""
         self.background_cpu_s = 0.0
         """CPU time the checkpointer's own staging and persisting threads spent on this save."""
         self.persisting = False  # writes to storage (not a memory checkpoint only)
@@ -60,8 +63,13 @@ class SaveHandle:
         """What this save cost the training loop: the time it blocked the caller plus the CPU time
         of the background work (on a host whose cores are all busy training, that work takes
         them from training; where cores are idle it is an over-estimate). Final once
-        :meth:`settled`."""
-        return self.blocked_s + self.background_cpu_s
+        :meth:`settled`.
+
+        The vote's wait for slower ranks (:attr:`vote_wait_s`) is not a cost: the ranks of a
+        data-parallel job meet at every step, so a rank that waits in the vote waits that much
+        less at the step's next collective. Counting it would make ``auto`` cadences save less
+        often the more the ranks' step times differ."""
+        return max(self.blocked_s - self.vote_wait_s, 0.0) + self.background_cpu_s
 
     def settled(self) -> bool:
         """Whether :attr:`cost_s` is final: staged (a memory-only save) or done (a storage save)."""
@@ -157,13 +165,16 @@ class SavePipeline:
         if not persist and self._arena is None:
             raise ConfigError("save(persist=False) needs a memory tier (mem_dir, set under ftrt launch).")
         avoid = self._arena.current_slot() if self._arena is not None else None
+        vote_wait = 0.0
         if skip_if_busy:
             writing = persist and any(h.persisting and not h.done() for h in self._pending)
+            w0, c0 = time.perf_counter(), time.thread_time()
             # Also for memory-only saves: the collective is a barrier, so no rank's copy of this
             # step exists before every rank got here (a trainer's record of the step written
             # before saving, e.g. ftrt.grpo's metrics line, can then never be missing for a step
             # restore resumes after; the chaos ledger caught that once when it was skipped).
             writing, no_slot = self._group.any_rank(writing, not self._stager.has_free(avoid))
+            vote_wait = max((time.perf_counter() - w0) - (time.thread_time() - c0), 0.0)
             if writing:
                 log.info("checkpoint step %d: an earlier save is still writing to storage; %s", step,
                          "memory copy only" if self._arena is not None else "skipped")
@@ -189,6 +200,7 @@ class SavePipeline:
         slot = self._stager.acquire(avoid=avoid)
         handle = SaveHandle(step)
         handle.persisting = persist
+        handle.vote_wait_s = vote_wait
         stage = self._stage if self._arena is None else self._stage_memory
         staged = self._stage_pool.submit(stage, slot, sd, handle, step)
         if not self._prewarmed:

@@ -2,11 +2,13 @@
 
 Scenarios (argv[1]): ``save`` (FSDP2 train 2 steps, save step 2, write the full reference state),
 ``restore`` (fresh FSDP2 model at this world size, restore, compare with the reference),
-``concurrent`` (training all-reduces on the default group while a large save persists).
+``concurrent`` (training all-reduces on the default group while a large save persists), ``late``
+(one rank reaches a ``skip_if_busy`` save half a second after the other).
 """
 
 import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -87,6 +89,18 @@ def main():
         if rank == 0:
             with open(out, "w") as f:
                 json.dump({"all_reduces": len(results), "overlapped": overlapped, "ok": ok}, f)
+    elif scenario == "late":
+        # Rank 1 reaches the save 0.5 s after rank 0: rank 0 waits that long in the skip vote.
+        ck = Checkpointer(url)
+        state = {"w": torch.randn(64, 64)}
+        if rank == 1:
+            time.sleep(0.5)
+        h = ck.save(1, state, skip_if_busy=True)
+        h.wait()
+        ck.close()
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"blocked_s": h.blocked_s, "vote_wait_s": h.vote_wait_s, "cost_s": h.cost_s}, f)
     dist.destroy_process_group()
 
 

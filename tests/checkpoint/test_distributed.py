@@ -59,3 +59,13 @@ def test_training_collectives_run_while_a_save_persists(tmp_path):
     launch(2, "concurrent", str(tmp_path / "ck"), "-", str(out))
     got = json.loads(out.read_text())
     assert got["ok"] and got["all_reduces"] == 300 and got["overlapped"] > 0
+
+
+def test_waiting_in_the_skip_vote_for_a_late_rank_is_not_counted_as_the_saves_cost(tmp_path):
+    # Ranks meet at every step: a rank that waits for a late one in the vote waits that much less
+    # at the next collective, so an auto cadence must not see that wait as what the save cost.
+    out = tmp_path / "late.json"
+    launch(2, "late", str(tmp_path / "ck"), "-", str(out))
+    got = json.loads(out.read_text())
+    assert got["blocked_s"] >= 0.4 and got["vote_wait_s"] >= 0.4, got
+    assert got["cost_s"] < got["blocked_s"] - 0.35, got

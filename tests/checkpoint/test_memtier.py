@@ -134,3 +134,32 @@ def test_choose_takes_a_newer_replicated_checkpoint_that_the_survivors_cover_alo
     sharded = [[whole_or_shard(8, 0, 2, True), whole_or_shard(6, 0, 2, True), whole_or_shard(6, 1, 2, True)]]
     assert memtier.choose(sharded) == (6, 1, 2, {0: 0, 1: 0})
     assert memtier.choose([[whole_or_shard(8, 0, 2, True)]]) is None
+
+
+def test_an_arena_rotates_its_slots_and_a_new_worker_of_the_rank_takes_over_its_indexes(tmp_path):
+    import json
+
+    entries, size = memtier.layout({"w": torch.zeros(4)})
+
+    def save(arena: Arena, step: int) -> int:
+        slot = 1 - arena.current_slot() if arena.current_slot() is not None else 0
+        arena.buffers(slot, entries, size)["w"].fill_(step)
+        arena.commit(slot=slot, step=step, round_no=1, world=1, entries=entries, size=size, skeleton={"dict": []})
+        return slot
+
+    def on_disk(name: str):
+        path = tmp_path / "own" / "rank-0" / name
+        return json.loads(path.read_text())["step"] if path.exists() else None
+
+    first = Arena(str(tmp_path), 0)
+    assert first.current_slot() is None
+    assert [save(first, s) for s in (1, 2, 3)] == [0, 1, 0]
+    assert (on_disk("current.json"), on_disk("previous.json")) == (3, 2)
+    # The rank's next worker (after a restart) finds the same current slot, so it never writes over
+    # the newest checkpoint; rewriting the other slot withdraws the checkpoint that slot held first.
+    second = Arena(str(tmp_path), 0)
+    assert second.current_slot() == 0
+    second.buffers(1, entries, size)
+    assert (on_disk("current.json"), on_disk("previous.json")) == (3, None)
+    assert {m["step"] for m in memtier.scan(str(tmp_path))} == {3}
+    assert save(second, 4) == 1 and (on_disk("current.json"), on_disk("previous.json")) == (4, 3)
