@@ -73,8 +73,14 @@ class MtbfEstimate:
     source: str
 
 
+FAULT = ("fault", "faults")
+"""What an MTBF counts by default: faults, a node or a worker lost (:func:`estimate_mtbf`)."""
+MEMORY_LOSS = ("loss of memory checkpoints", "losses of memory checkpoints")
+"""What the storage tier's MTBF counts behind a memory tier that recovers a node's loss."""
+
+
 def estimate_mtbf(configured_s: float | None, faults: int, elapsed_s: float,
-                  prior_s: float = PRIOR_MTBF_S, *, counted: tuple[str, str] = ("fault", "faults")) -> MtbfEstimate:
+                  prior_s: float = PRIOR_MTBF_S, *, counted: tuple[str, str] = FAULT) -> MtbfEstimate:
     """The MTBF to plan for.
 
     - configured (``--mtbf`` or the trainer's setting): that, always;
@@ -82,8 +88,8 @@ def estimate_mtbf(configured_s: float | None, faults: int, elapsed_s: float,
     - none yet: the larger of ``prior_s`` and the job's age (a job that has run two hours
       without a fault has shown an MTBF of at least two hours).
 
-    ``counted`` names what ``faults`` counts (singular, plural) for the estimate's source, e.g.
-    the storage tier's ``("loss of memory checkpoints", "losses of memory checkpoints")``.
+    ``counted`` names what ``faults`` counts (singular, plural) for the estimate's source:
+    :data:`FAULT`, or :data:`MEMORY_LOSS` for a storage tier behind a memory tier.
     """
     one, many = counted
     if configured_s is not None:
@@ -96,10 +102,6 @@ def estimate_mtbf(configured_s: float | None, faults: int, elapsed_s: float,
     if elapsed > prior_s:
         return MtbfEstimate(elapsed, f"observed: no {one} in {elapsed:.0f} s")
     return MtbfEstimate(prior_s, f"prior: no {one} yet in {elapsed:.0f} s")
-
-
-MEMORY_LOSS = ("loss of memory checkpoints", "losses of memory checkpoints")
-"""What the storage tier's MTBF counts when a memory tier covers a node's loss (:func:`estimate_mtbf`)."""
 
 
 @dataclass(frozen=True)
@@ -224,5 +226,5 @@ class Cadence:
         return choice
 
 
-__all__ = ["Cadence", "Choice", "Interval", "MEMORY_LOSS", "MtbfEstimate", "PRIOR_MTBF_S", "choose_interval",
+__all__ = ["Cadence", "Choice", "FAULT", "Interval", "MEMORY_LOSS", "MtbfEstimate", "PRIOR_MTBF_S", "choose_interval",
            "estimate_mtbf", "parse_interval", "young_daly_interval"]

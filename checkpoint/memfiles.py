@@ -47,7 +47,7 @@ def withdraw(directory: Path, names: list[str]) -> None:
 
 def invalidate_slot(directory: Path, slot: int) -> None:
     """Withdraw whichever index points at ``slot`` before that slot is rewritten."""
-    for name in ("previous.json", "current.json"):
+    for name in INDEXES:
         path = directory / name
         try:
             if json.loads(path.read_text())["slot"] == slot:

@@ -212,10 +212,10 @@ class Runtime:
         then means their MTBF, the launcher's ``--mtbf`` does not apply, and the fault counts
         given to :meth:`Cadence.update` should count those losses.
         """
-        from ftrt.checkpoint.cadence import MEMORY_LOSS, Cadence, estimate_mtbf
+        from ftrt.checkpoint.cadence import FAULT, MEMORY_LOSS, Cadence, estimate_mtbf
 
         configured = mtbf if mtbf is not None or behind_memory else self.mtbf
-        counted = MEMORY_LOSS if behind_memory else ("fault", "faults")
+        counted = MEMORY_LOSS if behind_memory else FAULT
         return Cadence(name, interval, max_interval_s=max_interval_s,
                        mtbf=lambda faults, elapsed: estimate_mtbf(configured, faults, elapsed, counted=counted),
                        on_choice=on_choice)
