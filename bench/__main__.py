@@ -16,7 +16,7 @@ NAMES = {
     "rdzv_scale": "bench.rdzv_scale", "overhead": "bench.overhead", "goodput": "bench.goodput",
     "recovery": "bench.recovery", "ckpt_stall": "bench.ckpt_stall", "restore": "bench.restore",
     "rollout": "bench.rollout", "rollout_fleet": "bench.rollout_fleet",
-    "trainers": "bench.trainers",
+    "trainers": "bench.trainers", "memsave": "bench.memsave",
 }
 QUICK: dict[str, list[str]] = {
     "rdzv_scale": ["--sizes", "16,64,256", "--torchrun-sizes", "16,64", "--c10d", "best", "--cap", "30"],
@@ -28,6 +28,7 @@ QUICK: dict[str, list[str]] = {
     "rollout": ["--repeats", "5"],
     "rollout_fleet": ["--pushes", "3", "--steps", "25", "--storm-steps", "80"],
     "trainers": ["--reps", "1", "--steps", "25"],
+    "memsave": ["--saves", "50"],
 }
 """Each benchmark's settings in ``all``."""
 
