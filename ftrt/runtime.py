@@ -209,15 +209,19 @@ class Runtime:
 
         ``behind_memory``: the tier is a storage tier behind a memory tier that recovers a node's
         loss, so it plans for losses of every in-memory copy instead of for every fault: ``mtbf``
-        then means their MTBF, the launcher's ``--mtbf`` does not apply, and the fault counts
-        given to :meth:`Cadence.update` should count those losses.
+        then means their MTBF and the launcher's ``--mtbf`` does not apply. The job's faults are
+        not such losses, so the fault counts :meth:`Cadence.update` gets are not used: without
+        ``mtbf`` it plans for the prior, or for the job's age once longer.
         """
-        from ftrt.checkpoint.cadence import FAULT, MEMORY_LOSS, Cadence, estimate_mtbf
+        from ftrt.checkpoint.cadence import MEMORY_LOSS, Cadence, estimate_mtbf
 
-        configured = mtbf if mtbf is not None or behind_memory else self.mtbf
-        counted = MEMORY_LOSS if behind_memory else FAULT
+        if behind_memory:
+            return Cadence(name, interval, max_interval_s=max_interval_s,
+                           mtbf=lambda faults, elapsed: estimate_mtbf(mtbf, 0, elapsed, counted=MEMORY_LOSS),
+                           on_choice=on_choice)
+        configured = mtbf if mtbf is not None else self.mtbf
         return Cadence(name, interval, max_interval_s=max_interval_s,
-                       mtbf=lambda faults, elapsed: estimate_mtbf(configured, faults, elapsed, counted=counted),
+                       mtbf=lambda faults, elapsed: estimate_mtbf(configured, faults, elapsed),
                        on_choice=on_choice)
 
     @property

@@ -96,13 +96,9 @@ class Cadences:
     def update(self, agreed: list[float], world: int) -> None:
         """Feed the all-reduced sums of :meth:`report` (over ``world`` ranks) to both cadences."""
         step_s, age, mem_sum, mem_n, sto_sum, sto_n = agreed
-        # Behind the memory tier, storage counts the losses of every memory copy: a round that
-        # has seen one is no longer behind it (resumed), so none is counted here.
-        storage_faults = 0 if self.behind_memory else self.rt.faults
-        for cadence, total, n, faults in ((self.memory, mem_sum, mem_n, self.rt.faults),
-                                          (self.storage, sto_sum, sto_n, storage_faults)):
+        for cadence, total, n in ((self.memory, mem_sum, mem_n), (self.storage, sto_sum, sto_n)):
             cadence.update(step_s=step_s / world, save_cost_s=total / n if n else None,
-                           faults=faults, elapsed_s=age / world)
+                           faults=self.rt.faults, elapsed_s=age / world)
 
     def decide(self, done: int, steps: int, *, round_ends: bool, durable: bool = False) -> "SaveDecision":
         """What to save once ``done`` of ``steps`` steps are trained (see :func:`decide_save`)."""
