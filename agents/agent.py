@@ -107,6 +107,9 @@ class Drain:
     reason: str
     started: float
     deadline: float
+    member: bool
+    """Whether this node was in the current round when the drain began (a node that is not, say one
+    that rejoined after losing its lease and waits to be admitted, has nothing to hand over)."""
     below_min_said: bool = False
 
 
@@ -640,7 +643,7 @@ class Agent:
         """Leave gracefully: tell the workers, and ask for a round without this node (a planned
         change: every rank ends the round at a step boundary and saves it)."""
         now = time.monotonic()
-        self._drain = Drain(why, now, now + self.cfg.drain_timeout)
+        self._drain = Drain(why, now, now + self.cfg.drain_timeout, member=self._included(self.rdzv.view.round))
         self.log.warning("draining (%s): asking for a round without this node; leaving within %g s (--drain-timeout)",
                          why, self.cfg.drain_timeout)
         self._events.emit("drain_started", f"{self.cfg.node_id} drains: {why}", reason=why,
@@ -679,7 +682,11 @@ class Agent:
         if kept is False:
             self.log.warning("a sharded rank's newest memory checkpoint may not have reached a peer before the "
                              "drain's deadline; the job restores it from storage if it must")
-        self.log.info("drained in %.2f s (%s); leaving", time.monotonic() - drain.started, drain.reason)
+        if drain.member:
+            self.log.info("drained in %.2f s (%s); leaving", time.monotonic() - drain.started, drain.reason)
+        else:
+            self.log.info("drained in %.2f s (%s): this node was not in the job's current round, so it had nothing "
+                          "to hand over; leaving", time.monotonic() - drain.started, drain.reason)
         self._events.emit("drained", f"{self.cfg.node_id} left the job gracefully ({drain.reason})",
                           reason=drain.reason, seconds=round(time.monotonic() - drain.started, 3))
         self._set_state(AgentState.STOPPED)
@@ -718,6 +725,8 @@ class Agent:
             timeout = max(0.0, min(timeout, self._drain.deadline - time.monotonic()))
         t0 = time.monotonic()
         self._round_end.request(old.round, durable=not new.active)
+        self.log.info("round %d ends at a step boundary: its workers were asked to save their step and stop "
+                      "(waiting up to %.1f s)", old.round, timeout)
         if await self.pool.wait_exited(polling, timeout):
             self.log.info("round %d ended at a step boundary (step %s) in %.0f ms: its workers saved and stopped",
                           old.round, max(w.step for w in polling), (time.monotonic() - t0) * 1000)

@@ -12,8 +12,9 @@ nowhere else. Each switch removes a safety mechanism or a saving, so it is for m
 
 ``FTRT_DIAG_TRACE=PATH`` makes :func:`mark` append one JSON line per phase of a worker's start
 (assigned, process group, restore, first step) to ``PATH``, so a bench can split a pause into its
-parts, and :func:`trace_gc` adds every slow garbage collection. Off (the default), both do
-nothing.
+parts, and :func:`trace_gc` adds every slow garbage collection. A rollout server marks each group
+it takes and answers, so a test can tell when a server surely holds work. Off (the default), all
+of them do nothing.
 """
 
 from __future__ import annotations

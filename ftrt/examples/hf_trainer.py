@@ -9,7 +9,8 @@ resume_checkpoint(out)``. Rank 0 appends ``{"step", "loss"}`` per logged step to
 ``--global-batch`` samples a step), which survives a world-size change without skipping or
 repeating a sample. ``--ledger PATH``: every rank appends, per optimizer step, the ids of the
 samples it trained (``{"step", "round", "rank", "world", "ids"}``), read from the batches the
-model was fed.
+model was fed. ``--hold-after N --hold-file P`` stops every rank after step N's checkpoint until P
+exists (a test's fixed point).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -74,6 +76,20 @@ def with_ledger(base: type[Trainer], ledger: Ledger) -> type[Trainer]:
     return LedgerTrainer
 
 
+class Hold(TrainerCallback):
+    """After step ``step``'s save, wait until ``file`` exists (``--hold-after``, ``--hold-file``: a
+    test's fixed point, e.g. to act on the job while it surely has steps left)."""
+
+    def __init__(self, step: int, file: str) -> None:
+        self.step, self.file = step, Path(file)
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            while not self.file.exists():
+                time.sleep(0.05)
+        return control
+
+
 class LossLog(TrainerCallback):
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -98,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step with --elastic")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
     p.add_argument("--ledger", default=None, help="every rank appends the sample ids it trained, per step")
+    p.add_argument("--hold-after", type=int, default=0, help="every rank waits after this step's save ...")
+    p.add_argument("--hold-file", default=None, help="... until this file exists")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, intermediate_size=128,
@@ -117,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         cls, callbacks = with_ledger(cls, ledger), [*callbacks, ledger]
     trainer = cls(model=model, args=targs, train_dataset=Sequences(64, 16, with_ids=bool(args.ledger)),
                   callbacks=[*callbacks, LossLog(args.metrics)], **extra)
+    if args.hold_after:
+        trainer.add_callback(Hold(args.hold_after, args.hold_file))
     trainer.train(resume_from_checkpoint=None if args.no_ftrt else resume_checkpoint(args.out))
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
-from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -27,7 +25,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from ftrt.examples.hf_trainer import LossLog  # the same {"step", "loss", "grad_norm", "time"} lines
+from ftrt.examples.hf_trainer import Hold, LossLog  # the same {"step", "loss", "grad_norm", "time"} lines
 
 CHARS = "abcdefghijklmnopqrstuvwxyz ."
 PROMPTS = [f"say {w}." for w in "aa ab ba bb ca ac cc da ad dd ea ae ee fa af ff".split()]
@@ -69,19 +67,6 @@ class Ledger(TrainerCallback):
     def __call__(self, prompts: list[str], completions: list[str], trainer_state=None, **_) -> list[float]:
         self._write({"step": trainer_state.global_step, "prompts": prompts})
         return [0.0] * len(completions)
-
-
-class Hold(TrainerCallback):
-    """After step ``step``'s save, wait until ``file`` exists."""
-
-    def __init__(self, step: int, file: str) -> None:
-        self.step, self.file = step, Path(file)
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            while not self.file.exists():
-                time.sleep(0.05)
-        return control
 
 
 def main(argv: list[str] | None = None) -> None:

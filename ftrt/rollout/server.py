@@ -27,6 +27,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
+from ftrt import _diag
 from ftrt.agents.auth import JobToken, job_token, require_token
 from ftrt.agents.session import Session
 from ftrt.errors import ConfigError, StoreError
@@ -83,6 +84,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                 "push it first.")
         if request.step < 0 or request.prompt_id < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "step and prompt_id must be >= 0.")
+        group = {"step": request.step, "prompt_id": request.prompt_id}
+        # Diagnostic marks (FTRT_DIAG_TRACE): a group is held from its first mark until its second,
+        # which is written before any answer leaves, so a frozen server whose trace shows a group
+        # without its answer surely holds it (tests kill servers then, never at a guessed moment).
+        _diag.mark("rollout.generate", **group)
+        try:
+            return await self._generate_reply(held, request, context)
+        finally:
+            _diag.mark("rollout.answer", **group)
+
+    async def _generate_reply(self, held, request, context) -> rollout_pb2.GenerateReply:
         t0 = time.perf_counter()
         try:
             out = await asyncio.get_running_loop().run_in_executor(

@@ -32,9 +32,11 @@ def lines(path: Path) -> list[dict]:
         return []
 
 
-def job(tmp: Path, name: str, etcd: str, job_id: str, nnodes: str, nproc: int) -> list[str]:
+def job(tmp: Path, name: str, etcd: str, job_id: str, nnodes: str, nproc: int, first_round_wait: float = 2) -> list[str]:
+    """``first_round_wait``: a long one makes the first round wait for ``nnodes``' maximum (it starts
+    as soon as that many nodes are ready)."""
     return ["--etcd", etcd, "--job-id", job_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-            "--lease-ttl", "2", "--first-round-wait", "2", *FAST_WARM, "-m", "ftrt.grpo", *CONFIG,
+            "--lease-ttl", "2", "--first-round-wait", str(first_round_wait), *FAST_WARM, "-m", "ftrt.grpo", *CONFIG,
             f"metrics_path={tmp / name}.jsonl", f"checkpoint.url={tmp / name}-ck"]
 
 
@@ -67,7 +69,7 @@ def test_a_killed_worker_resumes_with_bit_identical_metrics_and_prompts(tmp_path
 
 
 def test_a_lost_node_shrinks_the_world_and_trains_exactly_the_same_prompts(tmp_path, reference, etcd_endpoint, job_id):
-    args = job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1)
+    args = job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, first_round_wait=120)  # both in round 1
     nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
     try:
         wait_until(lambda: sum(x["world_size"] == 2 for x in lines(tmp_path / "run.jsonl")) >= 6, 120,

@@ -1,12 +1,22 @@
-"""Scaffolding the trainer integration tests share: one job on two real nodes, a fault on node b."""
+"""Scaffolding the trainer integration tests share: one job on two real nodes, a fault on node b.
+
+Jobs for :func:`two_nodes` should start with ``--nnodes 1:2`` and a long ``--first-round-wait``
+(:data:`BOTH_IN_ROUND_1`): the first round then waits for both nodes (it starts as soon as both are
+ready), so steps at world size 2 begin with step 1 on any machine.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from typing import Callable
 
+from ftrt.chaos.local import worker_pids
 from tests.agents.harness import Node, wait_until
+
+BOTH_IN_ROUND_1 = ("--first-round-wait", "120")
+"""Launch flags for a job of ``--nnodes 1:2`` whose first round waits for its second node."""
 
 
 def two_nodes(tmp: Path, args: list[str], ready: Callable[[], object], what: str,
@@ -29,7 +39,36 @@ def kill_b(nodes: dict[str, Node]) -> None:
     nodes["b"].kill()
 
 
+ROUND_END_ASKED = "ends at a step boundary: its workers were asked to save"
+"""What an agent logs when it asks its workers to end their round at a step boundary."""
+
+
 def drain_b(nodes: dict[str, Node]) -> None:
-    """Node b leaves gracefully, as when Kubernetes deletes its pod (SIGTERM), and exits 0."""
-    nodes["b"].proc.send_signal(signal.SIGTERM)
+    """Node b leaves gracefully, as when Kubernetes deletes its pod (SIGTERM), and exits 0.
+
+    The job's workers are held still (SIGSTOP) from just before the signal until node a's agent has
+    asked them to end their round, so the drain surely lands while the job has steps left to end
+    the round at, however slow the machine."""
+    etcd, job_id = _job_of(nodes["a"])
+    workers = list(worker_pids(etcd, job_id).values())
+    asked = nodes["a"].log().count(ROUND_END_ASKED)
+    _signal_all(workers, signal.SIGSTOP)
+    try:
+        nodes["b"].proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: nodes["a"].log().count(ROUND_END_ASKED) > asked, 60, "a's round to be asked to end")
+    finally:
+        _signal_all(workers, signal.SIGCONT)
     assert nodes["b"].wait(60) == 0, nodes["b"].log()[-3000:]
+
+
+def _job_of(node: Node) -> tuple[str, str]:
+    args = node.launch_args
+    return args[args.index("--etcd") + 1], args[args.index("--job-id") + 1]
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

@@ -20,7 +20,7 @@ pytest.importorskip("accelerate", reason="the Trainer needs accelerate (in the t
 
 from ftrt.chaos.local import worker_pids  # noqa: E402
 from tests.agents.harness import FAST_WARM, Node, wait_until  # noqa: E402
-from tests.integrations.kit import drain_b, kill_b, two_nodes  # noqa: E402
+from tests.integrations.kit import BOTH_IN_ROUND_1, drain_b, kill_b, two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -58,9 +58,9 @@ def _trained(path: Path) -> dict[int, list[int]]:
 
 
 def _job(tmp: Path, name: str, etcd: str, job_id: str, nnodes: str = "1", nproc: int = 2,
-         extra: tuple[str, ...] = ()) -> list[str]:
+         extra: tuple[str, ...] = (), launch: tuple[str, ...] = ("--first-round-wait", "1")) -> list[str]:
     return ["--etcd", etcd, "--job-id", job_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--lease-ttl",
-            "2", "--first-round-wait", "1", *FAST_WARM, "-m", "ftrt.examples.hf_trainer", "--out",
+            "2", *launch, *FAST_WARM, "-m", "ftrt.examples.hf_trainer", "--out",
             str(tmp / f"{name}-out"), "--steps", str(STEPS), "--metrics", str(tmp / f"{name}.jsonl"),
             "--ledger", str(tmp / f"{name}-ledger.jsonl"), *extra]
 
@@ -143,7 +143,7 @@ def _elastic_order() -> dict[int, list[int]]:
 
 def _two_elastic_nodes(tmp: Path, etcd: str, job_id: str, ledger: Path, fault) -> dict:
     """An ElasticTrainer job on nodes a and b (1:2), ``fault`` applied after 5 steps at world size 2."""
-    return two_nodes(tmp, _job(tmp, "run", etcd, job_id, "1:2", 1, ELASTIC),
+    return two_nodes(tmp, _job(tmp, "run", etcd, job_id, "1:2", 1, ELASTIC, BOTH_IN_ROUND_1),
                      lambda: sum(rows[0]["world"] == 2 for rows in _ledger(ledger).values()) >= 5,
                      "5 steps at world size 2", fault)
 

@@ -22,7 +22,7 @@ from ftrt.chaos.local import worker_pids  # noqa: E402
 from ftrt.data import ElasticSampler  # noqa: E402
 from ftrt.examples.lightning_steps import GLOBAL_BATCH, SAMPLES  # noqa: E402
 from tests.agents.harness import FAST_WARM, Node, wait_until  # noqa: E402
-from tests.integrations.kit import drain_b, kill_b, two_nodes  # noqa: E402
+from tests.integrations.kit import BOTH_IN_ROUND_1, drain_b, kill_b, two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -43,9 +43,9 @@ def _losses(path: Path) -> dict[int, float]:
 
 
 def _job(tmp: Path, name: str, etcd: str, job_id: str, nnodes: str = "1", nproc: int = 2,
-         step_time: float = 0.0) -> list[str]:
+         step_time: float = 0.0, launch: tuple[str, ...] = ("--first-round-wait", "1")) -> list[str]:
     return ["--etcd", etcd, "--job-id", job_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-            "--lease-ttl", "2", "--first-round-wait", "1", *FAST_WARM, "--warm-import", "pytorch_lightning",
+            "--lease-ttl", "2", *launch, *FAST_WARM, "--warm-import", "pytorch_lightning",
             "-m", EXAMPLE, "--out", str(tmp / f"{name}-out"), "--steps", str(STEPS), "--step-time", str(step_time),
             "--metrics", str(tmp / f"{name}.jsonl"), "--ledger", str(tmp / f"{name}.ledger")]
 
@@ -84,7 +84,7 @@ def test_a_killed_worker_resumes_lightning_with_bit_identical_losses(tmp_path, r
 
 def _two_nodes(tmp: Path, etcd: str, job_id: str, fault) -> dict:
     """A Lightning job on nodes a and b (1:2), ``fault`` applied after 6 steps at world size 2."""
-    return two_nodes(tmp, _job(tmp, "run", etcd, job_id, nnodes="1:2", nproc=1, step_time=0.3),
+    return two_nodes(tmp, _job(tmp, "run", etcd, job_id, nnodes="1:2", nproc=1, step_time=0.3, launch=BOTH_IN_ROUND_1),
                      lambda: sum(r["world"] == 2 for r in _rows(tmp / "run.jsonl")) >= 6, "6 steps at world size 2",
                      fault)
 

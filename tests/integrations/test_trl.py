@@ -16,7 +16,7 @@ pytest.importorskip("trl", reason="the trl extra is not installed")
 
 from ftrt.chaos.local import worker_pids  # noqa: E402
 from tests.agents.harness import FAST_WARM, Node, wait_until  # noqa: E402
-from tests.integrations.kit import kill_b, two_nodes  # noqa: E402
+from tests.integrations.kit import BOTH_IN_ROUND_1, kill_b, two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +35,9 @@ def _losses(path: Path) -> dict[int, tuple[float, float]]:
 
 
 def _job(tmp: Path, name: str, etcd: str, job_id: str, *extra: str, nnodes: str = "1", nproc: int = 2,
-         steps: int = STEPS) -> list[str]:
+         steps: int = STEPS, launch: tuple[str, ...] = ("--first-round-wait", "1")) -> list[str]:
     return ["--etcd", etcd, "--job-id", job_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-            "--lease-ttl", "2", "--first-round-wait", "1", *FAST_WARM, "-m", "ftrt.examples.trl_grpo",
+            "--lease-ttl", "2", *launch, *FAST_WARM, "-m", "ftrt.examples.trl_grpo",
             "--out", str(tmp / f"{name}-out"), "--steps", str(steps), "--metrics", str(tmp / f"{name}.jsonl"),
             "--ledger", str(tmp / f"{name}-ledger.jsonl"), *extra]
 
@@ -106,7 +106,7 @@ def test_a_lost_node_shrinks_the_world_and_trains_every_prompt_exactly_once(tmp_
 
     steps, hold = 16, 6  # windows are 4 steps at world 2 and 8 at world 1: step 6 lies inside one
     args = _job(tmp_path, "run", etcd_endpoint, job_id, "--hold-after", str(hold), "--hold-file",
-                str(tmp_path / "go"), nnodes="1:2", nproc=1, steps=steps)
+                str(tmp_path / "go"), nnodes="1:2", nproc=1, steps=steps, launch=BOTH_IN_ROUND_1)
     def lose_b_then_go_on(nodes):
         kill_b(nodes)
         (tmp_path / "go").touch()

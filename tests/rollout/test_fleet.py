@@ -10,7 +10,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -18,7 +17,8 @@ import pytest
 from ftrt.agents.auth import JobToken
 from ftrt.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.agents.harness import FAST_WARM, Node
-from tests.rollout.fleetkit import Server, exact, fleet_config, lines, stop_all, trainer, wait_registered, wait_steps
+from tests.rollout.fleetkit import (Server, exact, fleet_config, freeze_holding_groups, lines, stop_all, trainer,
+                                   wait_registered, wait_steps, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def test_a_killed_server_and_an_added_one_leave_the_run_bit_identical(tmp_path, 
         wait_steps(metrics, 3)
         added.append(Server(tmp_path, etcd_endpoint, job_id, "added"))
         wait_registered(added)
-        freeze_holding_groups(servers[0], metrics)
+        freeze_holding_groups(servers[0])
         servers[0].signal(signal.SIGKILL)  # its groups are lost: the connection resets
 
     try:
@@ -75,29 +75,19 @@ def test_a_killed_server_and_an_added_one_leave_the_run_bit_identical(tmp_path, 
 def test_a_frozen_server_is_routed_around_and_rejoins(tmp_path, reference, etcd_endpoint, job_id):
     def faults(servers, metrics):
         wait_steps(metrics, 5)
-        freeze_holding_groups(servers[1], metrics)
-        time.sleep(6.0)  # past request_timeout and the server's lease
-        servers[1].signal(signal.SIGCONT)
+        frozen = servers[1]
+        freeze_holding_groups(frozen)
+        # Its groups go elsewhere after request_timeout; it stays frozen until its lease is gone too.
+        gone = f"rollout server {frozen.server_id} left the fleet: its lease is gone"
+        wait_until(lambda: gone in (tmp_path / "trainer.log").read_text(), 60, "the frozen server's lease to go")
+        frozen.signal(signal.SIGCONT)
+        wait_until(lambda: frozen.log().count("registered as") == 2, 60, "the thawed server to register again")
 
     rows, servers = _fleet_run(tmp_path, etcd_endpoint, job_id, "run",
                                extra=["rollout.request_timeout=2"], during=faults)
     assert exact(rows) == exact(reference)
     assert rows[-1]["resumes"] == 0
     assert sum(r["redispatched"] for r in rows) >= 1
-
-
-def freeze_holding_groups(server: Server, metrics, tries: int = 50) -> None:
-    """SIGSTOP ``server`` at a moment it holds prompt groups: the trainer then makes no progress (a
-    freeze while it holds none, e.g. mid-push, is undone and tried again)."""
-    for _ in range(tries):
-        server.signal(signal.SIGSTOP)
-        before = len(lines(metrics))
-        time.sleep(0.5)
-        if len(lines(metrics)) == before:
-            return
-        server.signal(signal.SIGCONT)
-        time.sleep(0.1)
-    raise AssertionError(f"{server.server_id} never held groups when frozen")
 
 
 def test_no_server_fails_with_a_clear_error_instead_of_hanging(tmp_path, etcd_endpoint, job_id):
@@ -220,7 +210,6 @@ def test_a_server_that_loses_its_lease_fences_and_registers_again(tmp_path, etcd
     from ftrt.jobkeys import JobKeys
     from ftrt.rollout.spec import PolicySpec
     from ftrt.store.etcd import EtcdStore
-    from tests.rollout.fleetkit import wait_until
 
     keys = JobKeys(job_id)
 
