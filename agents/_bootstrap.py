@@ -10,7 +10,7 @@ Wire protocol (JSON lines):
 
 - agent -> worker on ``FTRT_CONTROL_FD``: one ``{"env": {...}, "argv": [...], "script": str|null,
   "module": str|null, "cwd": str}``;
-- worker -> agent on ``FTRT_REPORT_FD``: :func:`ftrt.reports.ready` once warm, then whatever the
+- worker -> agent on ``FTRT_REPORT_FD``: :class:`ftrt.reports.Ready` once warm, then whatever the
   script reports through :class:`ftrt.Runtime` (:mod:`ftrt.reports` owns every message type).
 
 The process dies with its agent (``PR_SET_PDEATHSIG``) and runs the fence watchdog
@@ -39,8 +39,8 @@ def _set_idle(idle: bool) -> None:
         pass
 
 
-def _report(fd: int, message: dict) -> None:
-    os.write(fd, (json.dumps(message, separators=(",", ":")) + "\n").encode())
+def _report(fd: int, message: reports.Report) -> None:
+    os.write(fd, reports.encode(message))
 
 
 def _freeze_heap() -> None:
@@ -96,7 +96,7 @@ def main() -> None:
             wait_for_workers=False, use_libuv=True,
         )
         store_port = _STORE.port
-    _report(report_fd, reports.ready(os.getpid(), store_port))
+    _report(report_fd, reports.Ready(os.getpid(), store_port))
 
     job = _read_assignment(control_fd)
     os.close(control_fd)

@@ -320,21 +320,15 @@ def neighbours(cfg: LaunchConfig) -> int:
 def _report_handler(metrics: Metrics, events: EventLog, alog: logging.LoggerAdapter):
     """A worker's checkpoint, restore or trainer report: metrics, and events for the rare ones."""
 
-    def on_report(worker: Worker, msg: dict) -> None:
-        metrics.report(msg)
-        kind = msg.get("t")
-        try:
-            if kind == reports.RESTORE:
-                events.emit("restore", f"rank {worker.rank} restored step {msg.get('step')} from "
-                            f"{msg.get('tier')} in {float(msg.get('seconds', 0)):.2f} s", rank=worker.rank,
-                            tier=msg.get("tier"), step=msg.get("step"), seconds=msg.get("seconds"))
-            elif kind == reports.CKPT:
-                events.emit("checkpoint_committed", f"checkpoint step {msg.get('step')} committed to "
-                            f"{msg.get('tier')} in {float(msg.get('save_s', 0)):.2f} s", local=True,
-                            tier=msg.get("tier"), step=msg.get("step"), seconds=msg.get("save_s"),
-                            bytes=msg.get("bytes"))
-        except (TypeError, ValueError):
-            alog.debug("ignored a malformed %s report from rank %s", kind, worker.rank)
+    def on_report(worker: Worker, report: reports.Report) -> None:
+        metrics.report(report)
+        match report:
+            case reports.Restored(tier=tier, step=step, seconds=seconds):
+                events.emit("restore", f"rank {worker.rank} restored step {step} from {tier} in {seconds:.2f} s",
+                            rank=worker.rank, tier=tier, step=step, seconds=seconds)
+            case reports.Committed(tier=tier, step=step, save_s=seconds, bytes=size):
+                events.emit("checkpoint_committed", f"checkpoint step {step} committed to {tier} in {seconds:.2f} s",
+                            local=True, tier=tier, step=step, seconds=seconds, bytes=size)
 
     return on_report
 

@@ -7,7 +7,7 @@ step since the last memory checkpoint, which with an ``auto`` cadence can be man
 1. The agent writes the round it wants ended into its *round-end file*: 16 mapped bytes, like the
    fence file, so a worker polls it every step without a system call.
 2. A worker that polls it (:meth:`ftrt.Runtime.round_ending`) says so once (report
-   :data:`ftrt.reports.BOUNDARY`). At its next step boundary it agrees with the other ranks that the round
+   :class:`ftrt.reports.Boundary`). At its next step boundary it agrees with the other ranks that the round
    ends (the GRPO trainer rides on its step's all-reduce), saves a checkpoint of that step and
    exits.
 3. The agent waits for the workers that said they poll, at most :func:`boundary_timeout`, then

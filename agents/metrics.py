@@ -13,7 +13,6 @@ the first step any of this node's workers completes in the round that replaced i
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 import time
@@ -25,7 +24,6 @@ from prometheus_client.registry import Collector
 
 from ftrt import reports
 
-log = logging.getLogger(__name__)
 
 RESTART_REASONS = ("node_lost", "worker_failure", "worker_hang", "node_joined", "quorum_regained", "other")
 FAULT_KINDS = ("node_lost", "worker_failure", "worker_hang", "fenced")
@@ -146,29 +144,25 @@ class AgentMetrics:
             self._typical = 0.9 * typical + 0.1 * min(per_step, 3 * typical)
             self._high_water = step
 
-    def report(self, msg: dict) -> None:
-        """A worker's checkpoint or trainer report (``ckpt``, ``restore``, ``stats``, ``mem``)."""
-        kind = msg.get("t")
-        try:
-            if kind in (reports.CKPT, reports.MEM):
-                tier = "memory" if kind == reports.MEM else str(msg.get("tier", "storage"))
-                if tier not in TIERS:
-                    return
-                if kind == reports.MEM:
-                    self._mem_steps[int(msg.get("rank", -1))] = int(msg.get("step", -1))
-                if "save_s" in msg:
-                    self.save_seconds.labels(tier).observe(float(msg["save_s"]))
-                if "bytes" in msg:
-                    self.ckpt_bytes.labels(tier).set(float(msg["bytes"]))
-                self.ckpt_step.labels(tier).set(int(msg.get("step", -1)))
-            elif kind == reports.RESTORE and msg.get("tier") in TIERS:
-                self.restore_seconds.labels(msg["tier"]).observe(float(msg.get("seconds", 0.0)))
-            elif kind == reports.STATS and isinstance(msg.get("values"), dict):
-                for name, value in msg["values"].items():
+    def report(self, report: reports.Report) -> None:
+        """A worker's checkpoint or trainer report (:mod:`ftrt.reports`; others are not counted here)."""
+        match report:
+            case reports.MemorySaved(rank=rank, step=step):
+                self._mem_steps[rank] = step
+                self._saved("memory", step, report.bytes, report.save_s)
+            case reports.Committed(tier=tier, step=step) if tier in TIERS:
+                self._saved(tier, step, report.bytes, report.save_s)
+            case reports.Restored(tier=tier, seconds=seconds) if tier in TIERS:
+                self.restore_seconds.labels(tier).observe(seconds)
+            case reports.Stats(values=values):
+                for name, value in values.items():
                     if self._trainer_ok(name):
-                        self._trainer_gauge(name).set(float(value))
-        except (TypeError, ValueError):
-            log.debug("ignored a malformed %s report from a worker", kind)
+                        self._trainer_gauge(name).set(value)
+
+    def _saved(self, tier: str, step: int, size: int, save_s: float) -> None:
+        self.save_seconds.labels(tier).observe(save_s)
+        self.ckpt_bytes.labels(tier).set(float(size))
+        self.ckpt_step.labels(tier).set(step)
 
     def _trainer_ok(self, name) -> bool:
         return isinstance(name, str) and TRAINER_NAME.fullmatch(name) is not None and (

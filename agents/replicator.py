@@ -1,6 +1,6 @@
 """Peer replication of memory checkpoints: each node's newest arenas copied to K other nodes.
 
-When a worker reports a complete memory checkpoint (:func:`ftrt.reports.memory_saved`), the
+When a worker reports a complete memory checkpoint (:class:`ftrt.reports.MemorySaved`), the
 agent streams that rank's arena (index first, then the bytes in 1 MiB chunks) to each of its K
 ring successors in the current round (``--replicas K``, default 1) with
 :meth:`AgentService.PutReplica`. With K copies, any K nodes lost at once, adjacent ones included,

@@ -14,7 +14,7 @@ Both ends live here, so the wire contract has one owner:
   ``{"hosts_store": bool}`` carrying four descriptors (the spare's control read end, report
   write end, stdout and stderr write ends); the template replies ``{"pid": N}``;
 - the template (:func:`serve`, in the bootstrap process) forks, and reports each child's exit on
-  its own report pipe as :func:`ftrt.reports.spare_exit` (the agent is not the parent, so
+  its own report pipe as :class:`ftrt.reports.SpareExit` (the agent is not the parent, so
   it cannot wait for the child itself; ``C`` is a Popen-style return code);
 - in the child, :func:`serve` returns the spare's descriptors, and the bootstrap goes on as a
   spare started directly would.
@@ -127,8 +127,8 @@ class SpareFds:
     hosts_store: bool
 
 
-def _report(fd: int, message: dict) -> None:
-    os.write(fd, (json.dumps(message, separators=(",", ":")) + "\n").encode())
+def _report(fd: int, message: reports.Report) -> None:
+    os.write(fd, reports.encode(message))
 
 
 def _cuda_initialized() -> bool:
@@ -148,7 +148,7 @@ def serve(sock_fd: int, report_fd: int) -> SpareFds:
         sys.stderr.write("ftrt: a warm import initialised CUDA, so spares cannot be forked from a template "
                          "(a forked child cannot use the GPU); spares start directly instead.\n")
         os._exit(3)
-    _report(report_fd, reports.ready(os.getpid(), 0))
+    _report(report_fd, reports.Ready(os.getpid(), 0))
     sock = socket.socket(fileno=sock_fd)
     children: dict[int, int] = {}  # pidfd -> pid
     while True:
@@ -179,7 +179,7 @@ def serve(sock_fd: int, report_fd: int) -> SpareFds:
                 pid = children.pop(ready)
                 os.close(ready)
                 _, status = os.waitpid(pid, 0)
-                _report(report_fd, reports.spare_exit(pid, os.waitstatus_to_exitcode(status)))
+                _report(report_fd, reports.SpareExit(pid, os.waitstatus_to_exitcode(status)))
 
 
 def _become_spare(fds: list[int], hosts_store: bool, template_pid: int) -> SpareFds:

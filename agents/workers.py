@@ -278,8 +278,8 @@ class WorkerPool:
         on_exit: called as ``on_exit(worker)`` when an assigned worker exits.
         on_heartbeat: called as ``on_heartbeat(worker)`` on each heartbeat.
         on_memory: called as ``on_memory(rank, step)`` when a worker's memory checkpoint is complete.
-        on_report: called as ``on_report(worker, message)`` with a worker's checkpoint (``mem``,
-            ``ckpt``), ``restore`` and trainer (``stats``) reports.
+        on_report: called as ``on_report(worker, report)`` with a worker's checkpoint, restore and
+            trainer reports (:class:`~ftrt.reports.MemorySaved`, ``Committed``, ``Restored``, ``Stats``).
     """
 
     def __init__(
@@ -294,7 +294,7 @@ class WorkerPool:
         on_exit: Callable[[Worker], None],
         on_heartbeat: Callable[[Worker], None] | None = None,
         on_memory: Callable[[int, int], None] | None = None,
-        on_report: Callable[[Worker, dict], None] | None = None,
+        on_report: Callable[[Worker, reports.Report], None] | None = None,
         out: IO[bytes] | None = None,
     ) -> None:
         self.nproc = nproc
@@ -599,40 +599,39 @@ class WorkerPool:
                 line = await reader.readline()
                 if not line:
                     return
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
-                kind = msg.get("t")
-                if kind == reports.HEARTBEAT:
-                    step, now = int(msg.get("step", -1)), time.monotonic()
-                    if worker.last_heartbeat is not None and step > worker.step >= 0:
-                        worker.step_interval = (now - worker.last_heartbeat) / (step - worker.step)
-                    worker.step, worker.last_heartbeat = step, now
-                    if self.on_heartbeat is not None:
-                        self.on_heartbeat(worker)
-                elif kind == reports.DONE:
-                    if worker.done_at is None:
-                        worker.done_at = time.monotonic()
-                        log.info("rank %d is done (step %s); its teardown is not judged for hangs",
-                                 worker.rank, msg.get("step"))
-                elif kind == reports.BOUNDARY:
-                    worker.polls_boundary = True
-                elif kind == reports.EXIT and self._template is not None and worker is self._template.worker:
-                    self._template.exited(int(msg.get("pid", -1)), int(msg.get("code", -1)))
-                elif kind == reports.MEM and self.on_memory is not None:
-                    self.on_memory(int(msg.get("rank", -1)), int(msg.get("step", -1)))
-                    if self.on_report is not None:
-                        self.on_report(worker, msg)
-                elif kind in (reports.CKPT, reports.RESTORE, reports.STATS) and self.on_report is not None:
-                    self.on_report(worker, msg)
-                elif kind == reports.READY:
-                    worker.store_port = int(msg.get("store_port", 0))
-                    if worker.state is WorkerState.WARMING:
-                        worker.state = WorkerState.WARM
-                    worker.ready.set()
-                    if self._template is not None and worker is self._template.worker:
-                        self.fill_spares()
+                match reports.decode(line):
+                    case reports.Heartbeat(step=step):
+                        now = time.monotonic()
+                        if worker.last_heartbeat is not None and step > worker.step >= 0:
+                            worker.step_interval = (now - worker.last_heartbeat) / (step - worker.step)
+                        worker.step, worker.last_heartbeat = step, now
+                        if self.on_heartbeat is not None:
+                            self.on_heartbeat(worker)
+                    case reports.Done(step=step):
+                        if worker.done_at is None:
+                            worker.done_at = time.monotonic()
+                            log.info("rank %d is done (step %s); its teardown is not judged for hangs",
+                                     worker.rank, step)
+                    case reports.Boundary():
+                        worker.polls_boundary = True
+                    case reports.SpareExit(pid=pid, code=code):
+                        if self._template is not None and worker is self._template.worker:
+                            self._template.exited(pid, code)
+                    case reports.MemorySaved() as saved:
+                        if self.on_memory is not None:
+                            self.on_memory(saved.rank, saved.step)
+                        if self.on_report is not None:
+                            self.on_report(worker, saved)
+                    case reports.Committed() | reports.Restored() | reports.Stats() as other:
+                        if self.on_report is not None:
+                            self.on_report(worker, other)
+                    case reports.Ready(store_port=port):
+                        worker.store_port = port
+                        if worker.state is WorkerState.WARMING:
+                            worker.state = WorkerState.WARM
+                        worker.ready.set()
+                        if self._template is not None and worker is self._template.worker:
+                            self.fill_spares()
         finally:
             transport.close()
 

@@ -11,7 +11,7 @@ call goes to the one that does the work:
   the memory tier first (when there is one), then storage;
 - :mod:`ftrt.checkpoint.group`: the ranks and the collectives they share.
 
-Reports (``mem``, ``ckpt``, ``restore``) go to the ``report`` callback alone; ``rt.checkpointer``
+Reports (:data:`ftrt.reports.CHECKPOINT_REPORTS`) go to the ``report`` callback alone; ``rt.checkpointer``
 passes its worker's (:meth:`ftrt.runtime.Runtime.checkpointer`).
 """
 
@@ -77,9 +77,9 @@ class Checkpointer:
             SHA-256, manifests signed, and restore trusts only checkpoints signed under it.
             ``rt.checkpointer`` passes the launcher's ``--checkpoint-key-file`` (or
             ``$FTRT_CHECKPOINT_KEY``).
-        report: where this rank's checkpoint reports go, as dicts (``mem``: a memory checkpoint is
-            complete, which the agent replicates; ``ckpt``: rank 0 committed one to storage;
-            ``restore``: tier, step and seconds). Default: nowhere. ``rt.checkpointer`` passes
+        report: where this rank's checkpoint reports go (:mod:`ftrt.reports`: ``MemorySaved``, a
+            memory checkpoint is complete, which the agent replicates; ``Committed``: rank 0
+            committed one to storage; ``Restored``: tier, step and seconds). Default: nowhere. ``rt.checkpointer`` passes
             :meth:`ftrt.runtime.Runtime.report` (this worker's agent under ``ftrt launch``); a
             checkpointer built by hand with ``mem_dir`` under ``ftrt launch`` needs it too, or
             the agent never hears of its memory checkpoints and does not replicate them.
@@ -102,7 +102,7 @@ class Checkpointer:
         round_no: int = 0,
         persist_nice: int = 10,
         mem_dir: str | None = None,
-        report: Callable[[dict], None] | None = None,
+        report: Callable[[reports.Report], None] | None = None,
         key: CheckpointKey | None = None,
     ) -> None:
         if keep < 1:
@@ -193,7 +193,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         step = self._restore(state)
         if step is not None:
-            self._report(reports.restored(self.rank, self.last_restore_tier, step, time.perf_counter() - t0))
+            self._report(reports.Restored(self.rank, self.last_restore_tier, step, time.perf_counter() - t0))
         return step
 
     def _restore(self, state: dict[str, Any]) -> int | None:
@@ -238,7 +238,7 @@ class Checkpointer:
         self.close()
 
 
-def _no_report(message: dict) -> None:
+def _no_report(message: reports.Report) -> None:
     """The default ``report``: nowhere."""
 
 

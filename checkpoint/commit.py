@@ -113,7 +113,7 @@ class Committer:
 
     def __init__(self, group: CheckpointGroup, loc: Location, *, keep: int, key: CheckpointKey | None,
                  round_no: int, pre_commit: Callable[[], None] | None, on_commit: Callable[[int], None] | None,
-                 latest_limit: Callable[[], int | None] | None, report: Callable[[dict], None],
+                 latest_limit: Callable[[], int | None] | None, report: Callable[[reports.Report], None],
                  background: cf.ThreadPoolExecutor) -> None:
         self._group = group
         self._loc = loc
@@ -203,7 +203,7 @@ class Committer:
         self.last_committed = step
         if self._group.rank == 0:
             self._background.submit(self.retain)
-            self._report(reports.committed("storage", 0, step, nbytes, save_s))
+            self._report(reports.Committed("storage", 0, step, nbytes, save_s))
 
     def retain(self) -> None:
         """Delete all but the newest ``keep`` committed checkpoints, and dead uncommitted folders."""

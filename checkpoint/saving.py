@@ -134,7 +134,7 @@ class SavePipeline:
     """
 
     def __init__(self, group: CheckpointGroup, loc: Location, *, stager: Stager, arena: memtier.Arena | None,
-                 committer: Committer, background: cf.ThreadPoolExecutor, report: Callable[[dict], None],
+                 committer: Committer, background: cf.ThreadPoolExecutor, report: Callable[[reports.Report], None],
                  round_no: int, retries: int, retry_backoff: float, thread_count: int, persist_nice: int) -> None:
         self._group = group
         self._loc = loc
@@ -256,7 +256,7 @@ class SavePipeline:
                 torch.cuda.synchronize()
             self._arena.commit(slot=slot, step=step, round_no=self._round_no, world=self._group.world,
                                entries=entries, size=size, skeleton=skeleton)
-            self._report(reports.memory_saved(self._group.rank, step, size, time.perf_counter() - t0))
+            self._report(reports.MemorySaved(self._group.rank, step, size, time.perf_counter() - t0))
             for key, t in flat.items():
                 if memtier._is_dtensor(t):
                     staged[key] = type(t).from_local(staged[key], t.device_mesh, t.placements, run_check=False,

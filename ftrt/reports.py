@@ -1,76 +1,184 @@
-"""The worker -> agent report messages: the one owner of their types and fields.
+"""The worker -> agent report messages: the one owner of their types, shapes and wire form.
 
 A worker writes JSON lines to the pipe named by ``FTRT_REPORT_FD`` (:meth:`ftrt.Runtime.report`);
-its agent reads them (:mod:`ftrt.agents.workers`). Each message is an object whose ``"t"`` is one of
-the types below. A message is never acknowledged, and one the agent is too far behind to read is
-dropped, so none may be needed for correctness: they drive supervision (heartbeats), replication
-(``mem``), the metrics and the event log. The agent ignores types it does not know and messages whose
-fields have the wrong type.
+its agent reads them (:mod:`ftrt.agents.workers`). Each message is one of the frozen dataclasses
+below, written by :func:`encode` as an object whose ``"t"`` is the class's ``TYPE`` and read back
+by :func:`decode`, the one decoder. A message is never acknowledged, and one the agent is too far
+behind to read is dropped, so none may be needed for correctness: they drive supervision
+(heartbeats), replication (:class:`MemorySaved`), the metrics and the event log. :func:`decode`
+returns None for a type it does not know (a newer worker) and for a message whose fields are
+missing or of the wrong type, so a reader dispatches on the class only (``match``/``isinstance``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping, Union
 
-READY = "ready"
-"""``{"t", "pid", "store_port"}``: a warm worker (or the spare template) is ready for an assignment."""
-EXIT = "exit"
-"""``{"t", "pid", "code"}``: from the spare template only, a spare it forked has exited (the agent is
-not that process's parent, so it cannot wait for it)."""
-HEARTBEAT = "hb"
-"""``{"t", "step", "time"}``: the worker reached ``step`` (:meth:`ftrt.Runtime.heartbeat`). After the
-first, a worker silent for the agent's ``--hang-timeout`` is hung."""
-DONE = "done"
-"""``{"t", "step"}``: the worker finished its work (:meth:`ftrt.Runtime.done`); what follows is its
-teardown, which hang detection does not judge."""
-BOUNDARY = "boundary"
-"""``{"t"}``: the worker polls the round-end file (:mod:`ftrt.agents.boundary`)."""
-MEM = "mem"
-"""``{"t", "rank", "step", "bytes", "save_s"}``: a memory checkpoint of ``rank`` at ``step`` is complete
-in the node's memory directory; the agent replicates it to its peer and counts it in the metrics."""
-CKPT = "ckpt"
-"""``{"t", "tier", "rank", "step", "bytes", "save_s"}``: a checkpoint was committed to ``tier``."""
-RESTORE = "restore"
-"""``{"t", "rank", "tier", "step", "seconds"}``: the worker restored ``step`` from ``tier``."""
-STATS = "stats"
-"""``{"t", "values": {name: number}}``: trainer metrics for Prometheus (:meth:`ftrt.Runtime.report_metrics`)."""
 
-CHECKPOINT_TYPES = (MEM, CKPT, RESTORE)
+@dataclass(frozen=True)
+class Ready:
+    """A warm worker (or the spare template) is ready for an assignment; ``store_port``: the round's
+    TCPStore it pre-started (0: none)."""
+
+    TYPE: ClassVar[str] = "ready"
+    pid: int
+    store_port: int
+
+
+@dataclass(frozen=True)
+class SpareExit:
+    """From the spare template only: a spare it forked has exited with Popen-style ``code`` (the agent
+    is not that process's parent, so it cannot wait for it)."""
+
+    TYPE: ClassVar[str] = "exit"
+    pid: int
+    code: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The worker reached ``step`` (:meth:`ftrt.Runtime.heartbeat`). After the first, a worker silent
+    for the agent's ``--hang-timeout`` is hung."""
+
+    TYPE: ClassVar[str] = "hb"
+    step: int
+    time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Done:
+    """The worker finished its work (:meth:`ftrt.Runtime.done`); what follows is its teardown, which
+    hang detection does not judge."""
+
+    TYPE: ClassVar[str] = "done"
+    step: int
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The worker polls the round-end file (:mod:`ftrt.agents.boundary`)."""
+
+    TYPE: ClassVar[str] = "boundary"
+
+
+@dataclass(frozen=True)
+class MemorySaved:
+    """A memory checkpoint of ``rank`` at ``step`` is complete in the node's memory directory; the
+    agent replicates it to its peers and counts it in the metrics."""
+
+    TYPE: ClassVar[str] = "mem"
+    rank: int
+    step: int
+    bytes: int
+    save_s: float = field(metadata={"digits": 6})
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A checkpoint of ``step`` was committed to ``tier``."""
+
+    TYPE: ClassVar[str] = "ckpt"
+    tier: str
+    rank: int
+    step: int
+    bytes: int
+    save_s: float = field(metadata={"digits": 6})
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The worker restored ``step`` from ``tier`` (None: nothing to restore)."""
+
+    TYPE: ClassVar[str] = "restore"
+    rank: int
+    tier: str | None
+    step: int
+    seconds: float = field(metadata={"digits": 6})
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Trainer metrics for Prometheus (:meth:`ftrt.Runtime.report_metrics`), by name."""
+
+    TYPE: ClassVar[str] = "stats"
+    values: Mapping[str, float]
+
+
+Report = Union[Ready, SpareExit, Heartbeat, Done, Boundary, MemorySaved, Committed, Restored, Stats]
+"""Any worker report."""
+
+TYPES: dict[str, type] = {cls.TYPE: cls for cls in (Ready, SpareExit, Heartbeat, Done, Boundary, MemorySaved,
+                                                   Committed, Restored, Stats)}
+"""Every report class by its wire type."""
+
+CHECKPOINT_REPORTS = (MemorySaved, Committed, Restored)
 """The checkpointer's reports (its ``report=`` callback receives these)."""
 
-
-def heartbeat(step: int) -> dict[str, Any]:
-    return {"t": HEARTBEAT, "step": int(step), "time": time.time()}
-
-
-def done(step: int) -> dict[str, Any]:
-    return {"t": DONE, "step": int(step)}
-
-
-def ready(pid: int, store_port: int) -> dict[str, Any]:
-    return {"t": READY, "pid": pid, "store_port": store_port}
-
-
-def spare_exit(pid: int, code: int) -> dict[str, Any]:
-    return {"t": EXIT, "pid": pid, "code": code}
+def encode(report: Report) -> bytes:
+    """One report as its JSON line."""
+    body: dict[str, Any] = {"t": report.TYPE}
+    for f in dataclasses.fields(report):
+        value = getattr(report, f.name)
+        if "digits" in f.metadata:  # durations travel rounded (to microseconds)
+            value = round(value, f.metadata["digits"])
+        elif isinstance(value, Mapping):
+            value = {str(k): float(v) for k, v in value.items()}
+        body[f.name] = value
+    return (json.dumps(body, separators=(",", ":")) + "\n").encode()
 
 
-def boundary() -> dict[str, Any]:
-    return {"t": BOUNDARY}
+def decode(line: bytes | str) -> Report | None:
+    """The report on one JSON line, or None: not JSON, not an object, a type this version does not
+    know, or a field missing or of the wrong type. Never raises."""
+    try:
+        body = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    cls = TYPES.get(body.get("t")) if isinstance(body.get("t"), str) else None
+    if cls is None:
+        return None
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                return None
+            continue
+        value = _checked(body[f.name], f.type)
+        if value is _BAD:
+            return None
+        values[f.name] = value
+    return cls(**values)
 
 
-def memory_saved(rank: int, step: int, nbytes: int, save_s: float) -> dict[str, Any]:
-    return {"t": MEM, "rank": rank, "step": step, "bytes": nbytes, "save_s": round(save_s, 6)}
+_BAD = object()
 
 
-def committed(tier: str, rank: int, step: int, nbytes: int, save_s: float) -> dict[str, Any]:
-    return {"t": CKPT, "tier": tier, "rank": rank, "step": step, "bytes": nbytes, "save_s": round(save_s, 6)}
-
-
-def restored(rank: int, tier: str | None, step: int, seconds: float) -> dict[str, Any]:
-    return {"t": RESTORE, "rank": rank, "tier": tier, "step": step, "seconds": round(seconds, 6)}
-
-
-def stats(values: dict[str, float]) -> dict[str, Any]:
-    return {"t": STATS, "values": {k: float(v) for k, v in values.items()}}
+def _checked(value: Any, kind: str) -> Any:
+    """``value`` as the field type ``kind`` (a string: the module uses postponed annotations), or _BAD."""
+    if kind == "int":
+        return value if isinstance(value, int) and not isinstance(value, bool) else _BAD
+    if kind == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return float(value) if ok else _BAD
+    if kind == "str":
+        return value if isinstance(value, str) else _BAD
+    if kind == "str | None":
+        return value if value is None or isinstance(value, str) else _BAD
+    if kind == "Mapping[str, float]":
+        if not isinstance(value, dict):
+            return _BAD
+        out = {}
+        for k, v in value.items():
+            number = _checked(v, "float")
+            if number is _BAD:
+                return _BAD
+            out[k] = number
+        return out
+    raise TypeError(f"reports: no check for field type {kind!r}")  # a new field type needs one here

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import sys
 import time
@@ -80,7 +79,7 @@ class Runtime:
         self.last_step = int(step)
         if _diag.off("heartbeat"):
             return
-        self.report(reports.heartbeat(self.last_step))
+        self.report(reports.Heartbeat(self.last_step))
 
     def done(self) -> None:
         """Tell the agent this worker finished its work; what follows is teardown (a final barrier,
@@ -90,7 +89,7 @@ class Runtime:
         ``--hang-timeout`` without failing the round. Its exit code still counts. Call it after the
         last checkpoint is closed. Non-blocking; a no-op outside ftrt.
         """
-        self.report(reports.done(self.last_step))
+        self.report(reports.Done(self.last_step))
 
     def round_ending(self) -> bool:
         """Whether this worker's agent asked its round to end at the next step boundary.
@@ -111,7 +110,7 @@ class Runtime:
             return False
         if not self._polls_round_end:
             self._polls_round_end = True
-            self.report(reports.boundary())
+            self.report(reports.Boundary())
         return self._round_end.ending(self.round)
 
     def round_end_durable(self) -> bool:
@@ -153,15 +152,15 @@ class Runtime:
         endpoint (``ftrt launch --metrics-port``) as ``ftrt_trainer_<name>`` gauges. Names are
         lower-case letters, digits and ``_`` (at most 48 characters, 32 names a job); call it from
         one rank (rank 0) once a step or less. Non-blocking; a no-op outside ftrt."""
-        self.report(reports.stats(values))
+        self.report(reports.Stats({name: float(value) for name, value in values.items()}))
 
-    def report(self, message: dict) -> None:
-        """Send one JSON message to the agent (non-blocking; dropped if the agent is behind)."""
+    def report(self, message: reports.Report) -> None:
+        """Send one report (:mod:`ftrt.reports`) to the agent (non-blocking; dropped if the agent is
+        behind)."""
         if self._report_fd < 0:
             return
-        line = json.dumps(message, separators=(",", ":")) + "\n"
         try:
-            os.write(self._report_fd, line.encode())
+            os.write(self._report_fd, reports.encode(message))
         except BlockingIOError:
             pass  # the agent is behind; a dropped beat is harmless
         except OSError as exc:
