@@ -170,12 +170,13 @@ def weight_push(lab: Lab, pushes: int) -> dict:
     from ftrt.grpo.setting import build_setting
     from ftrt.rollout.fleet import Fleet
     from ftrt.rollout.spec import PolicySpec
-    from ftrt.store.access import EtcdAccess
+    from ftrt.store.access import EtcdTarget
+    from ftrt.store.sync import SyncStore
 
     cfg = load_config(None, ["model.d_model=720", "model.n_layers=4", "model.n_heads=8"])
     st = build_setting(cfg.model, cfg.task, seed=0, max_new_tokens=0)
     job_id, servers = lab.job(0)
-    fleet = Fleet(endpoints=lab.etcd.endpoint, access=EtcdAccess(), job_id=job_id, spec=PolicySpec.of(cfg),
+    fleet = Fleet(store=SyncStore(EtcdTarget(lab.etcd.endpoint)), own_store=True, job_id=job_id, spec=PolicySpec.of(cfg),
                   vocab_size=len(st.vocab), max_new=st.max_new, request_timeout=30, wait_timeout=120,
                   push_timeout=60)
     try:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from ftrt import _diag, reports
 from ftrt.checkpoint import memtier
-from ftrt.checkpoint.commit import Committer
+from ftrt.checkpoint.commit import CommitFence, Committer
 from ftrt.checkpoint.group import CheckpointGroup
 from ftrt.checkpoint.memrestore import MemoryRestore
 from ftrt.checkpoint.saving import SaveHandle, SavePipeline, background_pool
@@ -61,14 +61,10 @@ class Checkpointer:
         retries: attempts after the first when persisting fails.
         retry_backoff: seconds before the first retry, doubled for each next one.
         thread_count: DCP writer threads per rank.
-        on_commit: called as ``on_commit(step)`` on rank 0 after a manifest is written (the
-            runtime uses it to move the job's ``latest`` pointer). If it raises
-            :class:`~ftrt.errors.RoundChanged` the manifest is withdrawn and the save fails.
-        pre_commit: called on rank 0 just before the manifest is written; raising
-            :class:`~ftrt.errors.RoundChanged` stops the commit.
-        latest_limit: called at restore; returns the highest step allowed (the job's pointer),
-            or None for no limit.
-        round_no: the rendezvous round this worker runs in, recorded in every checkpoint.
+        fence: what fences commits to the job's rendezvous round and limits restores to the job's
+            ``latest`` (:class:`~ftrt.checkpoint.commit.CommitFence`; ``rt.checkpointer`` passes the
+            job's pointer under ``ftrt launch``); its round is recorded in every checkpoint. None:
+            no fence, round 0, no limit.
         persist_nice: niceness added to the persistence thread (Linux; 0 leaves it alone).
         mem_dir: the node's memory-tier directory (under ``ftrt launch``: ``$FTRT_MEM_DIR``, kept
             by the agent). With it, every save is also a memory checkpoint and restore prefers the
@@ -96,10 +92,7 @@ class Checkpointer:
         retries: int = 3,
         retry_backoff: float = 0.5,
         thread_count: int = 2,
-        on_commit: Callable[[int], None] | None = None,
-        pre_commit: Callable[[], None] | None = None,
-        latest_limit: Callable[[], int | None] | None = None,
-        round_no: int = 0,
+        fence: CommitFence | None = None,
         persist_nice: int = 10,
         mem_dir: str | None = None,
         report: Callable[[reports.Report], None] | None = None,
@@ -110,9 +103,10 @@ class Checkpointer:
         self.loc: Location = parse_url(url, storage_options)
         self.keep = keep
         self.key = key
-        self.round_no = round_no
+        self.fence = fence
+        self.round_no = fence.round_no if fence is not None else 0
+        """The rendezvous round recorded in this checkpointer's checkpoints."""
         self.mem_dir = mem_dir
-        self._latest_limit = latest_limit
         self._report = report or _no_report
         self._group = CheckpointGroup(process_group)
         self.distributed = self._group.distributed
@@ -121,12 +115,11 @@ class Checkpointer:
         self._stager = Stager(staging_slots or (3 if mem_dir else 2))
         # Retention and pre-faulting staging slots: background work at a lower CPU priority.
         self._delete_pool = background_pool("ftrt-ckpt-delete", persist_nice)
-        self._committer = Committer(self._group, self.loc, keep=keep, key=key, round_no=round_no,
-                                    pre_commit=pre_commit, on_commit=on_commit, latest_limit=latest_limit,
-                                    report=self._report, background=self._delete_pool)
+        self._committer = Committer(self._group, self.loc, keep=keep, key=key, fence=fence, report=self._report,
+                                    background=self._delete_pool)
         self._saving = SavePipeline(self._group, self.loc, stager=self._stager, arena=self._arena,
                                     committer=self._committer, background=self._delete_pool, report=self._report,
-                                    round_no=round_no, retries=retries, retry_backoff=retry_backoff,
+                                    round_no=self.round_no, retries=retries, retry_backoff=retry_backoff,
                                     thread_count=thread_count, persist_nice=persist_nice)
         self._memory = MemoryRestore(self._group, mem_dir) if mem_dir else None
         self._storage = StorageRestore(self._group, self.loc, key)
@@ -199,8 +192,7 @@ class Checkpointer:
     def _restore(self, state: dict[str, Any]) -> int | None:
         self.wait_pending()
         _diag.mark("restore.pointer")
-        limit = self._group.broadcast(
-            self._latest_limit() if self.rank == 0 and self._latest_limit is not None else None)
+        limit = self._group.broadcast(self.fence.latest() if self.rank == 0 and self.fence is not None else None)
         # Only rank 0 lists; with a pointer and a memory tier, storage is listed only if memory fails.
         listing = self._storage.listing() if limit is None or self._memory is None else None
         if self._memory is not None:

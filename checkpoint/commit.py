@@ -3,10 +3,10 @@
 Once every rank's DCP files of a step are written (:mod:`ftrt.checkpoint.saving`):
 
 1. every rank sums the files it wrote (CRC-32, or SHA-256 with a checkpoint key);
-2. rank 0 gathers the sizes and sums, asks ``pre_commit`` (under ``ftrt launch``: is our round
-   still the job's?), and writes ``manifest.json`` last, signed with the key if there is one: the
-   checkpoint exists from that moment on;
-3. rank 0 calls ``on_commit(step)`` (under ``ftrt launch``: move the job's ``latest`` pointer in
+2. rank 0 gathers the sizes and sums, asks the :class:`CommitFence` whether the round may commit
+   (under ``ftrt launch``: is our round still the job's?), and writes ``manifest.json`` last,
+   signed with the key if there is one: the checkpoint exists from that moment on;
+3. rank 0 commits through the fence (under ``ftrt launch``: moves the job's ``latest`` pointer in
    etcd, fenced by the round); if the round moved on, the manifest is withdrawn again, since a
    stale round's checkpoint must not exist;
 4. every rank learns the outcome from rank 0, so all of them succeed or fail together.
@@ -23,12 +23,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from ftrt import reports
 from ftrt.checkpoint import manifest as mf
 from ftrt.checkpoint.group import CheckpointGroup
-from ftrt.checkpoint.pointer import LatestPointer
 from ftrt.checkpoint.signing import CheckpointKey
 from ftrt.checkpoint.storage import MANIFEST, Location, brief, list_steps, step_dir, write_bytes
 from ftrt.errors import CheckpointCorrupt, RoundChanged
@@ -36,15 +35,34 @@ from ftrt.errors import CheckpointCorrupt, RoundChanged
 log = logging.getLogger(__name__)
 
 
-def commit_folder(loc: Location, folder: str, step: int, world_size: int, *, round_no: int = 0,
-                  pointer: LatestPointer | None = None, key: CheckpointKey | None = None,
-                  extra: dict | None = None) -> mf.Manifest:
+class CommitFence(Protocol):
+    """What fences a commit to the job's rendezvous round: asked before the manifest is written,
+    told after, asked at restore. Under ``ftrt launch`` it is the job's ``latest`` pointer in etcd
+    (:class:`~ftrt.checkpoint.pointer.LatestPointer`); every method runs on rank 0 only."""
+
+    round_no: int
+    """The round whose checkpoints it fences (recorded in their manifests)."""
+
+    def check_round(self) -> None:
+        """Raise :class:`~ftrt.errors.RoundChanged` if the round may no longer commit."""
+
+    def commit(self, step: int) -> None:
+        """Make ``step`` the job's latest checkpoint; :class:`~ftrt.errors.RoundChanged` if the round
+        moved on (the manifest is then withdrawn)."""
+
+    def latest(self) -> int | None:
+        """The newest step the job trusts, or None for no limit."""
+
+
+def commit_folder(loc: Location, folder: str, step: int, world_size: int, *, fence: CommitFence | None = None,
+                  key: CheckpointKey | None = None, extra: dict | None = None) -> mf.Manifest:
     """Commit ``loc``'s ``folder``, whose files are all written, as ``step``: check the round
-    (``pointer``), sum every file (CRC-32; SHA-256 and a signed manifest with ``key``), write the
-    manifest last, move ``pointer`` to ``step``. A :class:`RoundChanged` withdraws the manifest.
-    Files with ``.tmp`` in their name are in-flight writes and not part of the checkpoint."""
-    if pointer is not None:
-        pointer.check_round()  # a stale round writes no manifest at all
+    (``fence``), sum every file (CRC-32; SHA-256 and a signed manifest with ``key``), write the
+    manifest last (recording the fence's round), commit through ``fence``. A :class:`RoundChanged`
+    withdraws the manifest. Files with ``.tmp`` in their name are in-flight writes and not part of
+    the checkpoint."""
+    if fence is not None:
+        fence.check_round()  # a stale round writes no manifest at all
     checksum = "sha256" if key is not None else "crc32"
     root = loc.path(folder)
     files = {}
@@ -52,15 +70,15 @@ def commit_folder(loc: Location, folder: str, step: int, world_size: int, *, rou
         rel = path[len(root):].lstrip("/")
         if rel != MANIFEST and ".tmp" not in rel:
             files[rel] = mf.checksum_file(loc, path, checksum)
-    manifest = mf.Manifest(step=step, world_size=world_size, files=files, checksum=checksum, round=round_no,
-                           time=time.time(), extra=dict(extra or {}))
+    manifest = mf.Manifest(step=step, world_size=world_size, files=files, checksum=checksum,
+                           round=fence.round_no if fence is not None else 0, time=time.time(), extra=dict(extra or {}))
     if key is not None:
         manifest = manifest.signed(key)
     path = loc.path(folder, MANIFEST)
     write_bytes(loc, path, manifest.to_json())
-    if pointer is not None:
+    if fence is not None:
         try:
-            pointer.commit(step)
+            fence.commit(step)
         except RoundChanged:
             loc.fs.rm(path)  # a stale round's checkpoint must not exist
             raise
@@ -101,28 +119,19 @@ class Committer:
         keep: committed checkpoints to keep (>= 1; the newest valid one is never deleted).
         key: the job's checkpoint key: files summed with SHA-256 and manifests signed; a
             manifest not signed under it is not this job's (kept, never trusted).
-        round_no: the rendezvous round recorded in each manifest.
-        pre_commit: called on rank 0 just before the manifest is written; raising
-            :class:`~ftrt.errors.RoundChanged` stops the commit.
-        on_commit: called as ``on_commit(step)`` on rank 0 after the manifest is written; if it
-            raises :class:`~ftrt.errors.RoundChanged` the manifest is withdrawn.
-        latest_limit: the highest step the job trusts (its pointer), or None for no limit.
+        fence: the :class:`CommitFence` of the job's round (None: round 0, nothing fenced, no limit).
         report: where rank 0's ``ckpt`` reports go.
         background: the low-priority thread retention runs on.
     """
 
     def __init__(self, group: CheckpointGroup, loc: Location, *, keep: int, key: CheckpointKey | None,
-                 round_no: int, pre_commit: Callable[[], None] | None, on_commit: Callable[[int], None] | None,
-                 latest_limit: Callable[[], int | None] | None, report: Callable[[reports.Report], None],
+                 fence: CommitFence | None, report: Callable[[reports.Report], None],
                  background: cf.ThreadPoolExecutor) -> None:
         self._group = group
         self._loc = loc
         self._keep = keep
         self._key = key
-        self._round_no = round_no
-        self._pre_commit = pre_commit
-        self._on_commit = on_commit
-        self._latest_limit = latest_limit
+        self._fence = fence
         self._report = report
         self._background = background
         self.checksum = "sha256" if key is not None else "crc32"
@@ -140,7 +149,7 @@ class Committer:
                 found = self.is_committed(folder)
                 if found:
                     # Above the job's pointer a manifest is not trusted (a stale round may have left it).
-                    limit = self._latest_limit() if self._latest_limit is not None else None
+                    limit = self._fence.latest() if self._fence is not None else None
                     found = limit is None or step <= limit
             except Exception:
                 found = False
@@ -176,18 +185,19 @@ class Committer:
 
     def _write_manifest(self, folder: str, step: int, files: dict[str, mf.FileEntry]) -> tuple[str, str] | None:
         """Rank 0's part of a commit: None, or ("round" | "error", why it failed)."""
-        m = mf.Manifest(step=step, world_size=self._group.world, files=files, round=self._round_no, time=time.time(),
+        m = mf.Manifest(step=step, world_size=self._group.world, files=files,
+                        round=self._fence.round_no if self._fence is not None else 0, time=time.time(),
                         checksum=self.checksum)
         if self._key is not None:
             m = m.signed(self._key)
         manifest_path = self._loc.path(folder, MANIFEST)
         try:
-            if self._pre_commit is not None:
-                self._pre_commit()
+            if self._fence is not None:
+                self._fence.check_round()
             write_bytes(self._loc, manifest_path, m.to_json())
-            if self._on_commit is not None:
+            if self._fence is not None:
                 try:
-                    self._on_commit(step)
+                    self._fence.commit(step)
                 except RoundChanged:
                     self._loc.fs.rm(manifest_path)  # withdraw: a stale round's checkpoint must not exist
                     raise

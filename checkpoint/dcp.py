@@ -34,8 +34,8 @@ from typing import Any
 from torch.distributed.checkpoint import StorageReader, StorageWriter
 
 from ftrt.checkpoint import manifest as mf
-from ftrt.checkpoint.commit import commit_folder, newest_verified
-from ftrt.checkpoint.pointer import LatestPointer, job_pointer
+from ftrt.checkpoint.commit import CommitFence, commit_folder, newest_verified
+from ftrt.checkpoint.pointer import job_pointer
 from ftrt.checkpoint.signing import CheckpointKey, load_key
 from ftrt.checkpoint.storage import Location, dcp_reader, dcp_writer, list_steps, parse_url, step_dir
 from ftrt.errors import CheckpointCorrupt, ConfigError
@@ -57,12 +57,13 @@ class FtrtStorageWriter(StorageWriter):
         step: the step this save is.
         storage_options: fsspec options (e.g. an S3 endpoint).
         key: the job's checkpoint key (default: the launcher's, or ``$FTRT_CHECKPOINT_KEY``).
-        pointer: the job's ``latest`` pointer (default: the job's under ``ftrt launch``, else none).
+        fence: what fences the commit to the job's round (:class:`~ftrt.checkpoint.commit.CommitFence`;
+            default: the job's ``latest`` pointer under ``ftrt launch``, else none).
         thread_count: DCP's writer threads per rank.
     """
 
     def __init__(self, url: str, step: int, *, storage_options: dict | None = None,
-                 key: CheckpointKey | None = _UNSET, pointer: LatestPointer | None = _UNSET,
+                 key: CheckpointKey | None = _UNSET, fence: CommitFence | None = _UNSET,
                  thread_count: int = 2) -> None:
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"FtrtStorageWriter step = {step!r}: give the training step, a whole number >= 0.")
@@ -71,7 +72,7 @@ class FtrtStorageWriter(StorageWriter):
         self.folder = step_dir(step)
         self.url = url
         self.key = load_key() if key is _UNSET else key
-        self._pointer = pointer  # _UNSET: the job's, made on the coordinator when it commits
+        self._fence = fence  # _UNSET: the job's pointer, made on the coordinator when it commits
         self._inner = dcp_writer(self.loc, self.folder, thread_count)
         self.committed_bytes: int | None = None
         """Bytes committed by the last save (on the coordinator), else None."""
@@ -98,14 +99,9 @@ class FtrtStorageWriter(StorageWriter):
     def finish(self, metadata, results) -> None:
         """DCP's finish (``.metadata``), then ftrt's commit (module docstring); coordinator only."""
         self._inner.finish(metadata, results)
-        pointer = job_pointer(self.url) if self._pointer is _UNSET else self._pointer
-        try:
-            manifest = commit_folder(self.loc, self.folder, self.step, len(results), pointer=pointer, key=self.key,
-                                     round_no=pointer.round_no if pointer is not None else 0,
-                                     extra={"writer": "ftrt.checkpoint.dcp"})
-        finally:
-            if pointer is not None and self._pointer is _UNSET:
-                pointer.close()
+        fence = job_pointer(self.url) if self._fence is _UNSET else self._fence
+        manifest = commit_folder(self.loc, self.folder, self.step, len(results), fence=fence, key=self.key,
+                                 extra={"writer": "ftrt.checkpoint.dcp"})
         self.committed_bytes = manifest.total_bytes
         log.info("committed step %d at %s (%d files, %d bytes)", self.step, self.loc.url_of(self.folder),
                  len(manifest.files), self.committed_bytes)
@@ -134,11 +130,7 @@ class FtrtStorageReader(StorageReader):
         self.key = load_key() if key is _UNSET else key
         if latest is _UNSET:
             pointer = job_pointer(url)
-            try:
-                latest = pointer.latest() if pointer is not None else None
-            finally:
-                if pointer is not None:
-                    pointer.close()
+            latest = pointer.latest() if pointer is not None else None
         self.step = (newest_verified(self.loc, list_steps(self.loc), step_dir, latest=latest, key=self.key)
                      if step is None else self._verified(step))
         self._inner = dcp_reader(self.loc, step_dir(self.step)) if self.step is not None else None

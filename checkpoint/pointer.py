@@ -13,58 +13,55 @@ latest: until the next round's workers start (its master record is absent, compa
 transaction) and only if it is newer than the latest (``latest`` is compared too, so the pointer
 never moves back).
 
-The checkpointer's threads are synchronous: the pointer keeps one event loop on a daemon thread
-of its own, and one etcd store on it for its lifetime (one connection, and under etcd auth one
-authentication, rather than one per call).
+:class:`LatestPointer` is the :class:`~ftrt.checkpoint.commit.CommitFence` a checkpointer of a
+worker under ``ftrt launch`` commits through. The checkpointer's threads are synchronous: the
+pointer's etcd calls run on a :class:`~ftrt.store.sync.SyncStore`, by default the one the worker
+shares for all its etcd users (:meth:`ftrt.Runtime.etcd_store`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 
+from ftrt.errors import RoundChanged
 from ftrt.jobkeys import JobKeys
 from ftrt.records import RoundHeader, decode
-from ftrt.errors import RoundChanged
-from ftrt.store.access import EtcdAccess
+from ftrt.store.access import EtcdTarget
 from ftrt.store.api import Compare, Put
-from ftrt.store.etcd import EtcdStore
+from ftrt.store.sync import SyncStore
 
 
 class LatestPointer:
-    """Read and move one job's ``latest`` pointer (``access``: the agent's etcd credentials)."""
+    """Read and move one job's ``latest`` pointer, for checkpoints of round ``round_no`` under
+    ``url``, through ``store`` (which the caller keeps open; :meth:`open` makes one the pointer
+    owns)."""
 
-    def __init__(self, endpoints: str, job_id: str, round_no: int, url: str, timeout: float = 5.0,
-                 access: EtcdAccess = EtcdAccess()) -> None:
-        self.endpoints = endpoints
-        self.access = access
+    def __init__(self, store: SyncStore, job_id: str, round_no: int, url: str, *, own_store: bool = False) -> None:
+        self.store = store
         self.keys = JobKeys(job_id)
         self.round_no = round_no
+        """The round whose checkpoints this pointer commits (recorded in their manifests)."""
         self.url = url
-        self.timeout = timeout
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="ftrt-pointer", daemon=True)
-        self._thread.start()
-        self._store = EtcdStore(endpoints, timeout=timeout, access=access)  # its channel opens on first use
+        self._own_store = own_store
+
+    @classmethod
+    def open(cls, target: EtcdTarget, job_id: str, round_no: int, url: str, timeout: float = 5.0) -> "LatestPointer":
+        """A pointer with an etcd connection of its own (closed by :meth:`close`)."""
+        return cls(SyncStore(target, timeout=timeout, name="ftrt-pointer"), job_id, round_no, url, own_store=True)
 
     @property
     def key(self) -> str:
         return f"{self.keys.ckpt}latest"
 
     def _run(self, coro_fn):
-        """Run ``coro_fn(store)`` on the pointer's loop; callers on any thread, one at a time each."""
-        return asyncio.run_coroutine_threadsafe(coro_fn(self._store), self._loop).result()
+        """Run ``coro_fn(store)`` on the store's loop; callers on any thread, one at a time each."""
+        return self.store.call(coro_fn)
 
     def close(self) -> None:
-        """Close the etcd connection and stop the loop's thread. Idempotent."""
-        if self._loop.is_closed():
-            return
-        asyncio.run_coroutine_threadsafe(self._store.close(), self._loop).result(timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._loop.close()
+        """Close the etcd connection if the pointer owns it (:meth:`open`). Idempotent."""
+        if self._own_store:
+            self.store.close()
 
     def _ours(self, header: RoundHeader | None) -> bool:
         """Whether ``header`` (the job's current round) lets our round commit: it is ours, or only
@@ -124,18 +121,11 @@ class LatestPointer:
 
 
 def job_pointer(url: str, runtime=None) -> LatestPointer | None:
-    """The job's ``latest`` pointer for checkpoints under ``url``, fenced by this worker's round,
-    when ``ftrt launch`` started it (with the agent's etcd credentials); else None. ``runtime``:
-    :func:`ftrt.init`'s (default)."""
-    import os
-
+    """The job's ``latest`` pointer for checkpoints under ``url``, fenced by this worker's round, on
+    the worker's shared etcd connection (:meth:`ftrt.Runtime.etcd_store`), when ``ftrt launch``
+    started it; else None. ``runtime``: :func:`ftrt.init`'s (default)."""
     import ftrt
-    from ftrt import envnames
-    from ftrt.store.access import from_env
 
     rt = runtime or ftrt.init()
-    endpoints = os.environ.get(envnames.ETCD, "")
-    if not rt.launched_by_ftrt or not endpoints:
-        return None
-    return LatestPointer(endpoints, rt.job_id, rt.round, url, access=from_env())
-
+    store = rt.etcd_store()
+    return LatestPointer(store, rt.job_id, rt.round, url) if store is not None else None

@@ -13,6 +13,7 @@ import errno
 import fcntl
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -22,6 +23,8 @@ from ftrt import _diag, envnames, reports
 if TYPE_CHECKING:
     from ftrt.agents.boundary import RoundEndReader
     from ftrt.checkpoint.cadence import Cadence, Choice, Interval
+    from ftrt.store.access import EtcdTarget
+    from ftrt.store.sync import SyncStore
 
 
 def _env_num(name: str, default, cast):
@@ -65,8 +68,13 @@ class Runtime:
     """Wall time the job's first round started (0 outside ftrt: then this process's start)."""
     mtbf: float | None = None
     """The MTBF the operator configured (``ftrt launch --mtbf``), or None."""
+    etcd: "EtcdTarget | None" = None
+    """The job's etcd under ``ftrt launch`` (endpoints and access, as the agent handed them down);
+    None elsewhere. Code that needs it calls :meth:`etcd_store`."""
     last_step: int = -1
     _report_fd: int = field(default=-1, repr=False)
+    _store: "SyncStore | None" = field(default=None, repr=False)
+    _store_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _round_end: "RoundEndReader | None" = field(default=None, repr=False)  # under ftrt launch
     _polls_round_end: bool = field(default=False, repr=False)  # told the agent (first round_ending())
 
@@ -169,6 +177,19 @@ class Runtime:
             else:
                 raise
 
+    def etcd_store(self) -> "SyncStore | None":
+        """The job's etcd for this worker's synchronous code, shared by all its users (the checkpoint
+        pointer, the rollout fleet): one connection on one event-loop thread, opened on first use
+        and kept for the process's life. None outside ``ftrt launch``."""
+        if self.etcd is None:
+            return None
+        with self._store_lock:
+            if self._store is None:
+                from ftrt.store.sync import SyncStore
+
+                self._store = SyncStore(self.etcd)
+            return self._store
+
     def checkpointer(self, url: str, keep: int = 3, storage_options: dict | None = None, **kwargs):
         """A :class:`ftrt.checkpoint.Checkpointer` wired to this job.
 
@@ -181,12 +202,8 @@ class Runtime:
         from ftrt.checkpoint import Checkpointer
         from ftrt.checkpoint.pointer import job_pointer
 
-        ptr = job_pointer(url, self)
-        if ptr is not None:
-            kwargs.setdefault("pre_commit", ptr.check_round)
-            kwargs.setdefault("on_commit", ptr.commit)
-            kwargs.setdefault("latest_limit", ptr.latest)
-            kwargs.setdefault("round_no", self.round)
+        if "fence" not in kwargs:
+            kwargs["fence"] = job_pointer(url, self)
         if self.launched_by_ftrt and os.environ.get(envnames.MEM_DIR):
             kwargs.setdefault("mem_dir", os.environ[envnames.MEM_DIR])
         kwargs.setdefault("report", self.report)
@@ -240,6 +257,15 @@ def _round_end_reader() -> "RoundEndReader | None":
     return RoundEndReader(path) if path and envnames.JOB_ID in os.environ else None
 
 
+def _etcd_target() -> "EtcdTarget | None":
+    """The job's etcd, when ``ftrt launch`` started this worker and named one."""
+    if envnames.JOB_ID not in os.environ:
+        return None
+    from ftrt.store.access import target_from_env
+
+    return target_from_env()
+
+
 def init() -> Runtime:
     """Return this process's :class:`Runtime` (created on first call from the environment)."""
     global _RUNTIME
@@ -268,6 +294,7 @@ def init() -> Runtime:
         faults=_env_int(envnames.FAULTS, 0),
         job_started=_env_float(envnames.JOB_STARTED, 0.0) or time.time(),
         mtbf=_env_float(envnames.MTBF, 0.0) or None,
+        etcd=_etcd_target(),
         _report_fd=fd,
         _round_end=_round_end_reader(),
     )

@@ -12,7 +12,6 @@ are not: a resumed run trains exactly what the uninterrupted one trains.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftrt import envnames
+import ftrt
 from ftrt.errors import ConfigError
 from ftrt.grpo.config import GRPOConfig
 from ftrt.grpo.rollout import Batch, rollout, score
@@ -89,16 +88,22 @@ class FleetSampling:
     def _connect(self, job_id: str) -> str:
         from ftrt.rollout.fleet import Fleet
         from ftrt.rollout.spec import PolicySpec
-        from ftrt.store.access import from_env
+        from ftrt.store.access import EtcdTarget, from_env
+        from ftrt.store.sync import SyncStore
 
-        ro = self.cfg.rollout
-        endpoints = ro.etcd or os.environ.get(envnames.ETCD, "")
-        job = ro.job_id or (job_id if os.environ.get(envnames.JOB_ID) else "")
-        if not endpoints or not job:
+        ro, rt = self.cfg.rollout, ftrt.init()
+        job = ro.job_id or (job_id if rt.launched_by_ftrt else "")
+        # The fleet's etcd: the one rollout.etcd names (a connection of its own), else the job's (shared).
+        own = SyncStore(EtcdTarget(ro.etcd, from_env()), name="ftrt-fleet") if ro.etcd else None
+        store = own or rt.etcd_store()
+        if store is None or not job:
+            if own is not None:
+                own.close()
             return ("rollout.mode=fleet needs the job's etcd and id: run under ftrt launch, or set rollout.etcd "
                     "and rollout.job_id.")
+        endpoints = store.target.endpoints
         try:
-            self.fleet = Fleet(endpoints=endpoints, access=from_env(), job_id=job, spec=PolicySpec.of(self.cfg),
+            self.fleet = Fleet(store=store, own_store=own is not None, job_id=job, spec=PolicySpec.of(self.cfg),
                                vocab_size=output_size(self.model, len(self.vocab)), max_new=self.max_new,
                                request_timeout=ro.request_timeout, wait_timeout=ro.wait_timeout,
                                push_timeout=ro.push_timeout)

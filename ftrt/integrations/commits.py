@@ -34,16 +34,18 @@ def barrier() -> None:
 
 
 def job_pointer(rt: ftrt.Runtime, output_dir: str) -> LatestPointer | None:
-    """The job's round-fenced ``latest`` pointer for ``output_dir`` under ``ftrt launch``, else None."""
+    """The job's round-fenced ``latest`` pointer for ``output_dir`` under ``ftrt launch``, else None
+    (on the worker's shared etcd connection: a pointer costs nothing to make)."""
     return pointer_for(str(Path(output_dir).absolute()), rt)
 
 
-def commit_folder(output_dir: str, folder: str, step: int, world_size: int, *, trainer: str, round_no: int = 0,
-                  pointer: LatestPointer | None = None, extra: dict | None = None) -> int:
+def commit_folder(output_dir: str, folder: str, step: int, world_size: int, *, trainer: str,
+                  runtime: ftrt.Runtime | None = None, extra: dict | None = None) -> int:
     """Commit ``output_dir/folder`` as ``step`` (:func:`ftrt.checkpoint.commit.commit_folder`: the
-    manifest of every file, the fenced pointer); return the bytes committed."""
+    manifest of every file, fenced by the job's pointer under ``ftrt launch``); return the bytes
+    committed. ``runtime``: :func:`ftrt.init`'s (default)."""
     loc = parse_url(str(Path(output_dir).absolute()))
-    manifest = commit(loc, folder, step, world_size, round_no=round_no, pointer=pointer,
+    manifest = commit(loc, folder, step, world_size, fence=job_pointer(runtime or ftrt.init(), output_dir),
                       extra={"trainer": trainer, **(extra or {})})
     return manifest.total_bytes
 
@@ -60,12 +62,7 @@ def newest_committed(output_dir: str, pattern: re.Pattern, name_of: Callable[[in
         return None
     steps = [int(m.group(1)) for p in root.iterdir() if (m := pattern.match(p.name))]
     pointer = job_pointer(runtime or ftrt.init(), output_dir)
-    latest = None
-    if pointer is not None:
-        try:
-            latest = pointer.latest()
-        finally:
-            pointer.close()
+    latest = pointer.latest() if pointer is not None else None
     step = newest_verified(parse_url(str(root.absolute())), steps, name_of, latest=latest,
                            accept=(lambda folder: accept(str(root / folder))) if accept is not None else None)
     return None if step is None else str(root / name_of(step))

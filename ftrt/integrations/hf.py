@@ -63,7 +63,7 @@ import ftrt
 from ftrt.checkpoint.storage import parse_url, write_bytes
 from ftrt.data import ElasticSampler
 from ftrt.errors import CheckpointCorrupt, ConfigError, FtrtError
-from ftrt.integrations.commits import barrier, commit_folder, job_pointer, newest_committed
+from ftrt.integrations.commits import barrier, commit_folder, newest_committed
 from ftrt.roundend import RoundEndVote
 
 log = logging.getLogger(__name__)
@@ -89,14 +89,8 @@ class FtrtCallback(TrainerCallback):
 
     def __init__(self, runtime: ftrt.Runtime | None = None) -> None:
         self.rt = runtime or ftrt.init()
-        self._pointers: dict[str, object] = {}  # rank 0: one etcd connection per output_dir, kept
         self._ending = False  # the round ends after this step's save (a node joins or drains)
         self._round_ends = RoundEndVote(self.rt)
-
-    def _pointer_for(self, output_dir: str):
-        if output_dir not in self._pointers:
-            self._pointers[output_dir] = job_pointer(self.rt, output_dir)
-        return self._pointers[output_dir]
 
     def on_step_end(self, args, state, control, **kwargs):
         self.rt.heartbeat(state.global_step)
@@ -111,7 +105,7 @@ class FtrtCallback(TrainerCallback):
         barrier()  # every rank has written its part of checkpoint-N
         if state.is_world_process_zero:
             commit_folder(args.output_dir, _folder(state.global_step), state.global_step, self.rt.world_size,
-                          trainer="transformers", round_no=self.rt.round, pointer=self._pointer_for(args.output_dir))
+                          trainer="transformers", runtime=self.rt)
         barrier()  # no rank goes on before the commit (or its failure) is settled
         if self._ending:
             self.rt.exit_for_round()
@@ -119,10 +113,6 @@ class FtrtCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._round_ends.close()
-        for pointer in self._pointers.values():
-            if pointer is not None:
-                pointer.close()
-        self._pointers.clear()
         if state.global_step >= state.max_steps:
             self.rt.done()
         return control

@@ -84,11 +84,10 @@ except ImportError:
 
 import ftrt
 from ftrt.checkpoint import manifest as mf
-from ftrt.checkpoint.pointer import LatestPointer
 from ftrt.checkpoint.storage import MANIFEST, parse_url
 from ftrt.data import ElasticSampler
 from ftrt.errors import CheckpointCorrupt, ConfigError
-from ftrt.integrations.commits import commit_folder, job_pointer, newest_committed
+from ftrt.integrations.commits import commit_folder, newest_committed
 from ftrt.roundend import RoundEndVote, distributed
 
 log = logging.getLogger(__name__)
@@ -144,7 +143,6 @@ class FtrtCheckpointIO(CheckpointIO):
         self.rt = runtime or ftrt.init()
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight: Future | None = None  # the last save; removals queue behind it on the same thread
-        self._pointers: dict[str, LatestPointer | None] = {}  # one etcd connection per folder's parent, kept
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Stage ``checkpoint`` on CPU and write and commit it as the folder ``path`` in the background,
@@ -165,11 +163,8 @@ class FtrtCheckpointIO(CheckpointIO):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, folder / DATA_FILE)
-        parent = str(folder.parent.absolute())
-        if parent not in self._pointers:
-            self._pointers[parent] = job_pointer(self.rt, parent)
-        commit_folder(parent, folder.name, step, self.rt.world_size, trainer="lightning", round_no=self.rt.round,
-                      pointer=self._pointers[parent])
+        commit_folder(str(folder.parent.absolute()), folder.name, step, self.rt.world_size, trainer="lightning",
+                      runtime=self.rt)
         log.debug("committed %s (step %d)", folder, step)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
@@ -201,17 +196,13 @@ class FtrtCheckpointIO(CheckpointIO):
             pending.result()
 
     def teardown(self) -> None:
-        """Flush, then stop the thread and close the etcd connections."""
+        """Flush, then stop the thread."""
         try:
             self.flush()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
-            for pointer in self._pointers.values():
-                if pointer is not None:
-                    pointer.close()
-            self._pointers.clear()
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:  # made on first use: Lightning may tear down and fit again

@@ -1,7 +1,8 @@
 """The trainer's side of the rollout fleet (rank 0 runs it): discovery, weight pushes, dispatch.
 
-:class:`Fleet` keeps an event loop on a daemon thread of its own and offers the trainer a few
-blocking calls: :meth:`Fleet.publish` (a new weight version, pushed to every live server),
+:class:`Fleet` runs on the event loop of a :class:`~ftrt.store.sync.SyncStore` (under ``ftrt
+launch`` the one its worker shares for all its etcd users) and offers the trainer a few blocking
+calls: :meth:`Fleet.publish` (a new weight version, pushed to every live server),
 :meth:`Fleet.submit` (a step's prompt groups with the version they must be sampled with) and
 :meth:`Fleet.collect` (that step's completions, once every group has exactly one result).
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -40,8 +40,7 @@ from ftrt.rollout.records import ServerRecord
 from ftrt.rollout.server import MAX_MESSAGE
 from ftrt.rollout.spec import PolicySpec
 from ftrt.rollout.weights import Outgoing, chunks
-from ftrt.store.access import EtcdAccess
-from ftrt.store.etcd import EtcdStore
+from ftrt.store.sync import SyncStore
 from ftrt.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger("ftrt.rollout.fleet")
@@ -97,7 +96,7 @@ class _Server:
 class Fleet:
     """Rank 0's link to the job's rollout servers (see the module docstring)."""
 
-    def __init__(self, *, endpoints: str, access: EtcdAccess, job_id: str, spec: PolicySpec, vocab_size: int,
+    def __init__(self, *, store: SyncStore, own_store: bool = False, job_id: str, spec: PolicySpec, vocab_size: int,
                  max_new: int, request_timeout: float, wait_timeout: float, push_timeout: float,
                  per_server: int = 2) -> None:
         self.keys = JobKeys(job_id)
@@ -122,10 +121,11 @@ class Fleet:
         self.error: Exception | None = None
         self._starved_since: float | None = None
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="ftrt-fleet", daemon=True)
-        self._thread.start()
-        self._store = EtcdStore(endpoints, access=access, timeout=5.0)
+        self._sync = store
+        self._own_store = own_store
+        """Whether :meth:`close` closes ``store`` too (one the fleet was given for itself)."""
+        self._loop = store.loop
+        self._store = store.store
         try:
             self.token = self._run(job_token(self._store, self.keys))
             self._run(self._store.put(self.keys.rollout_spec, spec.encode(), timeout=5.0))
@@ -182,15 +182,14 @@ class Fleet:
 
     def close(self) -> None:
         """Stop the pump and close every connection. Idempotent."""
-        if self._loop.is_closed():
+        if self._closed or self._loop.is_closed():
             return
         self._closed = True
         try:
             self._run(self._shutdown(), timeout=10)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-            self._loop.close()
+            if self._own_store:
+                self._sync.close()
 
     # -- on the fleet's loop -------------------------------------------------------------------------------
     async def _shutdown(self) -> None:
@@ -201,7 +200,6 @@ class Fleet:
         for s in list(self.servers.values()):
             self._drop(s, "fleet closed")
         await asyncio.gather(*self._closing, return_exceptions=True)
-        await self._store.close()
 
     def _submit(self, step: int, prompt_ids: list[int], version: int) -> None:
         if version not in self.versions:

@@ -135,6 +135,22 @@ class EtcdAccess:
         return env
 
 
+@dataclass(frozen=True)
+class EtcdTarget:
+    """Where a job's etcd is and how to reach it: the endpoints (``host:port,...``) and the access."""
+
+    endpoints: str
+    access: EtcdAccess = EtcdAccess()
+
+
+def target_from_env(environ: Mapping[str, str] | None = None) -> EtcdTarget | None:
+    """The job's etcd as an agent handed it to its worker (``FTRT_ETCD`` and the access variables),
+    or None when the environment names none."""
+    e = os.environ if environ is None else environ
+    endpoints = e.get(envnames.ETCD, "")
+    return EtcdTarget(endpoints, from_env(e)) if endpoints else None
+
+
 def from_env(environ: Mapping[str, str] | None = None) -> EtcdAccess:
     """The access an agent handed down (see :meth:`EtcdAccess.env`), or an operator's variables."""
     e = os.environ if environ is None else environ

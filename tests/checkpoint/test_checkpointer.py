@@ -31,6 +31,24 @@ def make_state(seed: int = 0) -> dict:
     }
 
 
+class _Latest:
+    """A commit fence that only limits restores to ``step`` (as the job's pointer would)."""
+
+    round_no = 0
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def check_round(self) -> None:
+        pass
+
+    def commit(self, step: int) -> None:
+        pass
+
+    def latest(self) -> int | None:
+        return self.step
+
+
 def fresh_state() -> dict:
     s = make_state(seed=99)
     s.update(step=0, buf=torch.zeros(6), meta={"prompts_done": [], "name": "", "lr": 0.0})
@@ -310,7 +328,7 @@ def test_a_memory_restore_does_not_wait_for_a_hanging_storage(s3, tmp_path, capl
         ck.save(5, src).wait(120)
     proxy.hang()
     try:
-        with Checkpointer(url, storage_options=patient, mem_dir=str(mem), latest_limit=lambda: 5) as ck:
+        with Checkpointer(url, storage_options=patient, mem_dir=str(mem), fence=_Latest(5)) as ck:
             dst = fresh_state()
             with caplog.at_level("WARNING", logger="ftrt.checkpoint"):
                 assert ck.restore(dst) == 5 and ck.last_restore_tier == "memory"

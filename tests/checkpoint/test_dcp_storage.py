@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from ftrt.checkpoint.dcp import FtrtStorageReader, FtrtStorageWriter
 from ftrt.checkpoint.pointer import LatestPointer
+from ftrt.store.access import EtcdTarget
 from ftrt.checkpoint.signing import CheckpointKey
 from ftrt.checkpoint.storage import step_dir
 from ftrt.errors import CheckpointCorrupt, RoundChanged
@@ -26,7 +27,7 @@ def _state(v: float) -> dict:
 
 
 def _save(url: str, step: int, **kwargs) -> FtrtStorageWriter:
-    writer = FtrtStorageWriter(url, step, key=kwargs.pop("key", None), pointer=kwargs.pop("pointer", None))
+    writer = FtrtStorageWriter(url, step, key=kwargs.pop("key", None), fence=kwargs.pop("fence", None))
     dcp.save(_state(step), storage_writer=writer)
     return writer
 
@@ -87,13 +88,13 @@ def test_with_the_job_s_key_the_manifest_is_signed_and_another_key_is_not_truste
 def test_a_stale_round_commits_nothing_and_the_pointer_stays(tmp_path, etcd_endpoint, job_id):
     url = str(tmp_path / "ck")
     set_round(etcd_endpoint, job_id, 1)
-    ptr = LatestPointer(etcd_endpoint, job_id, 1, url)
+    ptr = LatestPointer.open(EtcdTarget(etcd_endpoint), job_id, 1, url)
     try:
-        _save(url, 10, pointer=ptr)
+        _save(url, 10, fence=ptr)
         assert ptr.latest() == 10
         set_round(etcd_endpoint, job_id, 2)  # the job moved on: round-1 workers are stale
         with pytest.raises(BaseException) as err:  # DCP's CheckpointException is a BaseException
-            _save(url, 11, pointer=ptr)
+            _save(url, 11, fence=ptr)
         assert "RoundChanged" in repr(err.value) or isinstance(err.value, RoundChanged), repr(err.value)
         assert ptr.latest() == 10
         assert not (tmp_path / "ck" / step_dir(11) / "manifest.json").exists()

@@ -16,6 +16,7 @@ from ftrt.checkpoint import Checkpointer
 from ftrt.checkpoint.pointer import LatestPointer
 from ftrt.checkpoint.storage import step_dir
 from ftrt.errors import CheckpointSaveFailed
+from ftrt.store.access import EtcdTarget
 from ftrt.store.etcd import EtcdStore
 
 
@@ -44,20 +45,16 @@ def latest_record(endpoint: str, job: str) -> dict:
     return asyncio.run(go())
 
 
-def hooks(ptr: LatestPointer) -> dict:
-    return dict(pre_commit=ptr.check_round, on_commit=ptr.commit, latest_limit=ptr.latest, round_no=ptr.round_no)
-
-
 def test_current_round_moves_the_pointer_and_a_stale_round_cannot(tmp_path, etcd_endpoint, job_id):
     url = str(tmp_path / "ck")
     set_round(etcd_endpoint, job_id, 1)
-    ptr1 = LatestPointer(etcd_endpoint, job_id, 1, url)
+    ptr1 = LatestPointer.open(EtcdTarget(etcd_endpoint), job_id, 1, url)
     state = {"w": torch.ones(3)}
-    with Checkpointer(url, **hooks(ptr1)) as ck:
+    with Checkpointer(url, fence=ptr1) as ck:
         ck.save(10, state).wait()
     assert ptr1.latest() == 10
     set_round(etcd_endpoint, job_id, 2)  # the job moved on; round-1 workers are stale now
-    with Checkpointer(url, **hooks(ptr1)) as ck:
+    with Checkpointer(url, fence=ptr1) as ck:
         h = ck.save(11, state)
         with pytest.raises(CheckpointSaveFailed, match="round"):
             h.wait()
@@ -80,8 +77,8 @@ def test_a_round_ended_by_a_planned_change_may_commit_its_boundary_step_but_neve
         asyncio.run(go())
 
     set_round(etcd_endpoint, job_id, 1)
-    old = LatestPointer(etcd_endpoint, job_id, 1, str(tmp_path))
-    new = LatestPointer(etcd_endpoint, job_id, 3, str(tmp_path))
+    old = LatestPointer.open(EtcdTarget(etcd_endpoint), job_id, 1, str(tmp_path))
+    new = LatestPointer.open(EtcdTarget(etcd_endpoint), job_id, 3, str(tmp_path))
     try:
         old.commit(10)
         set_round(etcd_endpoint, job_id, 2, planned_since=1)  # a node joined or drained
@@ -107,14 +104,14 @@ def test_a_round_ended_by_a_planned_change_may_commit_its_boundary_step_but_neve
 def test_restore_ignores_a_manifest_above_the_pointer(tmp_path, etcd_endpoint, job_id):
     url = str(tmp_path / "ck")
     set_round(etcd_endpoint, job_id, 3)
-    ptr = LatestPointer(etcd_endpoint, job_id, 3, url)
-    with Checkpointer(url, **hooks(ptr)) as ck:
+    ptr = LatestPointer.open(EtcdTarget(etcd_endpoint), job_id, 3, url)
+    with Checkpointer(url, fence=ptr) as ck:
         ck.save(5, {"w": torch.full((3,), 5.0)}).wait()
     # A checkpoint committed outside the job's fence (no pointer move), e.g. by a stale writer.
     with Checkpointer(url) as ck:
         ck.save(6, {"w": torch.full((3,), 6.0)}).wait()
     state = {"w": torch.zeros(3)}
-    with Checkpointer(url, **hooks(ptr)) as ck:
+    with Checkpointer(url, fence=ptr) as ck:
         assert ck.restore(state) == 5
     assert torch.equal(state["w"], torch.full((3,), 5.0))
 
