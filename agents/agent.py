@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import grpc.aio
 
 from ftrt import reports
-from ftrt.agents.auth import JobToken, job_token
-from ftrt.agents.boundary import RoundEndWriter, boundary_timeout, planned_change
+from ftrt.auth import JobToken, job_token
+from ftrt.agents.boundary import boundary_timeout, planned_change
 from ftrt.agents.config import LaunchConfig
 from ftrt.agents.decide import RendezvousConfig
 from ftrt.agents.early import EarlyStart
@@ -62,6 +62,7 @@ from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, StoreUnavailable, WorkerFailure
 from ftrt.jobkeys import JobKeys
 from ftrt.roster import LocalRound, NotLoaded
+from ftrt.roundendfile import RoundEndWriter
 from ftrt.store.api import Store
 from ftrt.store.etcd import EtcdStore, parse_endpoints
 from ftrt.store.etcd_server import EtcdServer

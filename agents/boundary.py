@@ -4,8 +4,9 @@ When the membership changes without a fault (a node joins or drains), the runnin
 intact. Killing them mid-step, as a fault forces, would throw away the step in progress and every
 step since the last memory checkpoint, which with an ``auto`` cadence can be many. Instead:
 
-1. The agent writes the round it wants ended into its *round-end file*: 16 mapped bytes, like the
-   fence file, so a worker polls it every step without a system call.
+1. The agent writes the round it wants ended into its *round-end file*
+   (:mod:`ftrt.roundendfile`): a few mapped bytes, like the fence file, so a worker polls it every
+   step without a system call.
 2. A worker that polls it (:meth:`ftrt.Runtime.round_ending`) says so once (report
    :class:`ftrt.reports.Boundary`). At its next step boundary it agrees with the other ranks that the round
    ends (the GRPO trainer rides on its step's all-reduce), saves a checkpoint of that step and
@@ -26,63 +27,8 @@ before the round without it is written: a script can get ready, e.g. finish an a
 
 from __future__ import annotations
 
-from ftrt import envnames
-from ftrt.agents.mapped import MappedReader, MappedWriter
 from ftrt.records import RoundRecord
 from ftrt.roster import LocalRound
-
-ENV = envnames.ROUND_END_FILE
-"""Environment variable with the round-end file's path, set for every worker of an agent."""
-
-_FMT = "<qqqq"  # the highest round asked to end, draining (0/1), the highest asked to end durably, generation
-
-
-class RoundEndWriter:
-    """The agent's side: create the file (no round asked to end) and ask rounds to end."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._round = 0
-        self._draining = 0
-        self._durable = 0
-        self._record = MappedWriter(path, _FMT, 0, 0, 0)
-
-    def request(self, round_no: int, *, durable: bool = False) -> None:
-        """Ask the workers of ``round_no`` (and older) to stop at their next step boundary;
-        ``durable``: their save must go to storage (the next round is inactive: the job waits or
-        stops, and no memory copy may outlive the nodes)."""
-        self._round = max(self._round, round_no)
-        if durable:
-            self._durable = max(self._durable, round_no)
-        self._write()
-
-    def drain(self) -> None:
-        """Tell the workers that this node is leaving the job."""
-        self._draining = 1
-        self._write()
-
-    def _write(self) -> None:
-        self._record.write(self._round, self._draining, self._durable)
-
-    def close(self) -> None:
-        self._record.close()
-
-
-class RoundEndReader:
-    """A worker's side: whether its round was asked to end (one read of mapped memory)."""
-
-    def __init__(self, path: str) -> None:
-        self._record = MappedReader(path, _FMT)
-
-    def ending(self, round_no: int) -> bool:
-        return self._record.read()[0] >= round_no > 0
-
-    def durable(self, round_no: int) -> bool:
-        return self._record.read()[2] >= round_no > 0
-
-    def draining(self) -> bool:
-        return self._record.read()[1] == 1
-
 
 def planned_change(old: LocalRound | RoundRecord, new: LocalRound | RoundRecord) -> bool:
     """True when ``new`` replaces ``old`` without a fault: a node joined or drained (``new`` may be

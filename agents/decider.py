@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 from ftrt.agents.decide import Action, RendezvousConfig, decide_round
-from ftrt.agents.election import Election
+from ftrt.store.concurrency import Election
 from ftrt.agents.jobview import JobView
 from ftrt.records import JobState, RoundRecord, encode
 from ftrt.roster import LocalRound, groups_for, plan_write

@@ -15,8 +15,7 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 
-from ftrt import _diag, envnames
-from ftrt.agents import boundary
+from ftrt import _diag, envnames, roundendfile
 from ftrt.agents.fence import FenceWriter
 from ftrt.agents.replicator import make_mem_dir
 from ftrt.agents.workers import Spawned, spawn_bootstrap, spawn_template
@@ -30,7 +29,7 @@ class EarlyStart:
 
     run_dir: str
     fence: FenceWriter
-    round_end: boundary.RoundEndWriter
+    round_end: roundendfile.RoundEndWriter
     base_env: dict[str, str]
     mem_dir: str
     spawned: list[Spawned] = field(default_factory=list)
@@ -40,11 +39,11 @@ class EarlyStart:
     def begin(cls, *, nproc: int, warm: bool, warm_imports: tuple[str, ...], spawn: bool = True) -> "EarlyStart":
         run_dir = tempfile.mkdtemp(prefix="ftrt-agent-")
         fence = FenceWriter(os.path.join(run_dir, "fence"))
-        round_end = boundary.RoundEndWriter(os.path.join(run_dir, "round_end"))
+        round_end = roundendfile.RoundEndWriter(os.path.join(run_dir, "round_end"))
         mem_dir = make_mem_dir()
         base_env = dict(os.environ)
         base_env[envnames.MEM_DIR] = mem_dir
-        base_env[boundary.ENV] = round_end.path
+        base_env[roundendfile.ENV] = round_end.path
         if nproc > 1 and "OMP_NUM_THREADS" not in base_env:
             base_env["OMP_NUM_THREADS"] = "1"  # as torchrun does for several workers per node
         early = cls(run_dir, fence, round_end, base_env, mem_dir)

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from ftrt.agents.mapped import MappedReader, MappedWriter
+from ftrt.mapped import MappedReader, MappedWriter
 
 _FMT = "<dq"  # valid_until (monotonic seconds), generation
 _SIZE = struct.calcsize(_FMT)

@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Callable
 
-from ftrt.agents.session import Session
+from ftrt.store.concurrency import Session
 from ftrt.errors import LeaseLost, NodeIdConflict, StoreError
 from ftrt.jobkeys import JobKeys
 from ftrt.records import NodeRecord, decode, encode
@@ -71,7 +71,7 @@ async def tcp_refused(addr: str, timeout: float = 0.5) -> bool:
 
 
 class Membership:
-    """This node's membership: a lease kept alive (:class:`~ftrt.agents.session.Session`) and the
+    """This node's membership: a lease kept alive (:class:`~ftrt.store.concurrency.Session`) and the
     node record registered under it. Each :meth:`join` is a new incarnation under a new lease; before
     the first, :meth:`registration` is None."""
 

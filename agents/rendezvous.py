@@ -5,7 +5,7 @@ Three parts, each in its own module:
 
 - :class:`~ftrt.agents.jobview.JobView`: the job's rendezvous keys as this agent sees them (and
   the node records while it decides);
-- :class:`~ftrt.agents.election.Election`: each agent is a candidate under its lease; the first in
+- :class:`~ftrt.store.concurrency.Election`: each agent is a candidate under its lease; the first in
   the queue decides, and when it dies only its successor is woken;
 - :class:`~ftrt.agents.decider.Decider`: while this agent leads, it applies
   :func:`~ftrt.agents.decide.decide_round` and writes rounds fenced by the election.
@@ -26,7 +26,7 @@ from typing import Callable
 
 from ftrt.agents.decide import RendezvousConfig, View
 from ftrt.agents.decider import Decider
-from ftrt.agents.election import Election
+from ftrt.store.concurrency import Election
 from ftrt.agents.jobview import JobView
 from ftrt.jobkeys import JobKeys
 from ftrt.records import DeciderRecord, MasterRecord, RestartRequest, encode
@@ -156,7 +156,7 @@ class Rendezvous:
             await old.resign()  # its slot is freed now, not when (or if) the old lease expires
         if self._election is None and mine is not None:
             record = DeciderRecord(self.node_id, mine[1], time.time())
-            self._election = Election(self.store, self.keys, self.node_id, mine[0], encode(record))
+            self._election = Election(self.store, self.keys.election, self.node_id, mine[0], encode(record))
         if self._election is None or self._decider is not None:
             return
         if self._campaign is None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
-from ftrt.agents.auth import JobToken
+from ftrt.auth import JobToken
 from ftrt.jobkeys import check_id
 from ftrt.agents.tls import PLAINTEXT, PeerChannels
 from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index

@@ -17,7 +17,7 @@ from typing import Protocol
 import grpc
 import grpc.aio
 
-from ftrt.agents.auth import JobToken, require_token
+from ftrt.auth import JobToken, require_token
 from ftrt.agents.tls import PLAINTEXT, AgentTls
 from ftrt.agents.workers import Worker
 from ftrt.roster import LocalRound

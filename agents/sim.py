@@ -1,7 +1,7 @@
 """Simulation mode: many agents' membership and rendezvous in one process, with stand-in workers.
 
 For measuring the rendezvous at hundreds of nodes on one machine. A :class:`SimNode` runs the
-real agent stack that decides rounds: its own etcd client, a :class:`~ftrt.agents.session.Session`
+real agent stack that decides rounds: its own etcd client, a :class:`~ftrt.store.concurrency.Session`
 (lease and keep-alive), :func:`~ftrt.agents.membership.register`, a
 :class:`~ftrt.agents.rendezvous.Rendezvous` (watch, pure decision, fenced compare-and-swap round
 writes). What it leaves out is everything per machine: worker processes (a :class:`StandInWorkers`
@@ -34,7 +34,7 @@ from ftrt.agents.membership import register
 from ftrt.records import NodeRecord
 from ftrt.roster import LocalRound
 from ftrt.agents.rendezvous import Rendezvous
-from ftrt.agents.session import Session
+from ftrt.store.concurrency import Session
 from ftrt.store.etcd import EtcdStore
 
 

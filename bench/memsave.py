@@ -27,7 +27,7 @@ def _state(d_model: int):
     import torch
 
     from ftrt.grpo.config import load_config
-    from ftrt.grpo.setting import build_setting
+    from ftrt.policy.setting import build_setting
 
     cfg = load_config(None, [f"model.d_model={d_model}", f"model.n_layers={GRPO['model.n_layers']}",
                              f"model.n_heads={GRPO['model.n_heads']}"])

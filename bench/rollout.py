@@ -2,7 +2,7 @@
 
 One process, the default GRPO model and task (reverse 6 of 16, G=16), 16 prompts per rollout
 (what one of 2 ranks samples per step): completion tokens per second of
-:func:`ftrt.grpo.rollout.rollout`, beside the same sampler that runs the whole sequence through
+:func:`ftrt.policy.sample.rollout`, beside the same sampler that runs the whole sequence through
 the model for every new token (no cache), in the same invocation. Both draw the same seeded
 uniforms, so they must produce the same tokens; the benchmark checks that.
 """
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _no_cache(model, task, vocab, *, seed, step, prompt_ids, group, max_new, temperature):
     import torch
 
-    from ftrt.grpo.rollout import make_prompts, pick, uniforms
+    from ftrt.policy.sample import make_prompts, pick, uniforms
 
     prompts, _ = make_prompts(task, vocab, seed, prompt_ids)
     u = uniforms(seed, step, prompt_ids, group, max_new)
@@ -47,9 +47,9 @@ def main(argv: list[str]) -> int:
     import torch
 
     from ftrt.grpo.config import GRPOConfig
-    from ftrt.grpo.model import build_policy
-    from ftrt.grpo.rollout import rollout
-    from ftrt.grpo.tasks import Vocab, make_task
+    from ftrt.policy.model import build_policy
+    from ftrt.policy.sample import rollout
+    from ftrt.policy.tasks import Vocab, make_task
 
     p = argparse.ArgumentParser(prog="python -m bench rollout", description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=16)

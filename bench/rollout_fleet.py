@@ -112,8 +112,8 @@ def per_group_sampling(repeats: int) -> dict:
     import torch
 
     from ftrt.grpo.config import GRPOConfig
-    from ftrt.grpo.rollout import rollout, sample_group
-    from ftrt.grpo.setting import build_setting
+    from ftrt.policy.sample import rollout, sample_group
+    from ftrt.policy.setting import build_setting
 
     cfg = GRPOConfig()
     torch.set_num_threads(1)
@@ -166,10 +166,10 @@ def weight_push(lab: Lab, pushes: int) -> dict:
     import torch
 
     from ftrt.grpo.config import load_config
-    from ftrt.grpo.model import param_count
-    from ftrt.grpo.setting import build_setting
+    from ftrt.policy.model import param_count
+    from ftrt.policy.setting import build_setting
     from ftrt.rollout.fleet import Fleet
-    from ftrt.rollout.spec import PolicySpec
+    from ftrt.policy.spec import PolicySpec
     from ftrt.store.access import EtcdTarget
     from ftrt.store.sync import SyncStore
 

@@ -22,14 +22,16 @@ shares for all its etcd users (:meth:`ftrt.Runtime.etcd_store`).
 from __future__ import annotations
 
 import json
+import os
 import time
 
+from ftrt import envnames
 from ftrt.errors import RoundChanged
 from ftrt.jobkeys import JobKeys
 from ftrt.records import RoundHeader, decode
-from ftrt.store.access import EtcdTarget
+from ftrt.store.access import EtcdTarget, target_from_env
 from ftrt.store.api import Compare, Put
-from ftrt.store.sync import SyncStore
+from ftrt.store.sync import SyncStore, shared
 
 
 class LatestPointer:
@@ -120,12 +122,13 @@ class LatestPointer:
         return self._run(go)
 
 
-def job_pointer(url: str, runtime=None) -> LatestPointer | None:
+def job_pointer(url: str) -> LatestPointer | None:
     """The job's ``latest`` pointer for checkpoints under ``url``, fenced by this worker's round, on
-    the worker's shared etcd connection (:meth:`ftrt.Runtime.etcd_store`), when ``ftrt launch``
-    started it; else None. ``runtime``: :func:`ftrt.init`'s (default)."""
-    import ftrt
-
-    rt = runtime or ftrt.init()
-    store = rt.etcd_store()
-    return LatestPointer(store, rt.job_id, rt.round, url) if store is not None else None
+    the process's shared etcd connection (:func:`ftrt.store.sync.shared`, the one
+    :meth:`ftrt.Runtime.etcd_store` gives), when ``ftrt launch`` started this process (its
+    environment names the job, the round and the job's etcd); else None."""
+    target = target_from_env()
+    job_id = os.environ.get(envnames.JOB_ID)
+    if target is None or not job_id:
+        return None
+    return LatestPointer(shared(target), job_id, int(os.environ.get(envnames.ROUND) or 0), url)

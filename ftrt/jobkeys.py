@@ -66,13 +66,9 @@ class JobKeys:
 
     @property
     def election(self) -> str:
-        """Prefix of the decider election's slot keys (:mod:`ftrt.agents.election`), outside
+        """Prefix of the decider election's slot keys (:mod:`ftrt.store.concurrency`), outside
         ``rdzv/`` so that its traffic wakes no rendezvous watch."""
         return f"{self.root}election/"
-
-    def election_slot(self, slot: int) -> str:
-        """A candidate slot's key (fixed width, so no key is a prefix of another)."""
-        return f"{self.election}slot-{slot:03d}"
 
     @property
     def roster(self) -> str:
@@ -142,5 +138,5 @@ class JobKeys:
 
     @property
     def token(self) -> str:
-        """The job's token for agent RPCs that change state (:mod:`ftrt.agents.auth`)."""
+        """The job's token for agent RPCs that change state (:mod:`ftrt.auth`)."""
         return f"{self.root}auth/token"

@@ -61,7 +61,7 @@ class Done:
 
 @dataclass(frozen=True)
 class Boundary:
-    """The worker polls the round-end file (:mod:`ftrt.agents.boundary`)."""
+    """The worker polls the round-end file (:mod:`ftrt.roundendfile`, :mod:`ftrt.agents.boundary`)."""
 
     TYPE: ClassVar[str] = "boundary"
 

@@ -13,7 +13,6 @@ import errno
 import fcntl
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 from ftrt import _diag, envnames, reports
 
 if TYPE_CHECKING:
-    from ftrt.agents.boundary import RoundEndReader
+    from ftrt.roundendfile import RoundEndReader
     from ftrt.checkpoint.cadence import Cadence, Choice, Interval
     from ftrt.store.access import EtcdTarget
     from ftrt.store.sync import SyncStore
@@ -73,8 +72,6 @@ class Runtime:
     None elsewhere. Code that needs it calls :meth:`etcd_store`."""
     last_step: int = -1
     _report_fd: int = field(default=-1, repr=False)
-    _store: "SyncStore | None" = field(default=None, repr=False)
-    _store_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _round_end: "RoundEndReader | None" = field(default=None, repr=False)  # under ftrt launch
     _polls_round_end: bool = field(default=False, repr=False)  # told the agent (first round_ending())
 
@@ -183,12 +180,9 @@ class Runtime:
         and kept for the process's life. None outside ``ftrt launch``."""
         if self.etcd is None:
             return None
-        with self._store_lock:
-            if self._store is None:
-                from ftrt.store.sync import SyncStore
+        from ftrt.store.sync import shared
 
-                self._store = SyncStore(self.etcd)
-            return self._store
+        return shared(self.etcd)
 
     def checkpointer(self, url: str, keep: int = 3, storage_options: dict | None = None, **kwargs):
         """A :class:`ftrt.checkpoint.Checkpointer` wired to this job.
@@ -203,7 +197,7 @@ class Runtime:
         from ftrt.checkpoint.pointer import job_pointer
 
         if "fence" not in kwargs:
-            kwargs["fence"] = job_pointer(url, self)
+            kwargs["fence"] = job_pointer(url)
         if self.launched_by_ftrt and os.environ.get(envnames.MEM_DIR):
             kwargs.setdefault("mem_dir", os.environ[envnames.MEM_DIR])
         kwargs.setdefault("report", self.report)
@@ -251,7 +245,7 @@ _RUNTIME: Runtime | None = None
 
 def _round_end_reader() -> "RoundEndReader | None":
     """The agent's round-end file, mapped, when ``ftrt launch`` started this worker."""
-    from ftrt.agents.boundary import RoundEndReader
+    from ftrt.roundendfile import RoundEndReader
 
     path = os.environ.get(envnames.ROUND_END_FILE)
     return RoundEndReader(path) if path and envnames.JOB_ID in os.environ else None

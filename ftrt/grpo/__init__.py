@@ -6,7 +6,7 @@ functions in :mod:`ftrt.grpo.loss`.
 """
 
 from ftrt.grpo.config import GRPOConfig, load_config
-from ftrt.grpo.tasks import Task, register_task
+from ftrt.policy.tasks import Task, register_task
 
 __all__ = ["GRPOConfig", "Task", "load_config", "register_task", "train"]
 

@@ -13,39 +13,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ftrt.errors import ConfigError
+from ftrt.policy.config import ModelConfig, Strict, TaskConfig, describe  # noqa: F401 - describe: part of this module's API
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelConfig(_Strict):
-    """The policy: the built-in tiny causal transformer, or a local Hugging Face causal LM."""
-
-    d_model: int = Field(96, ge=8, le=4096, description="hidden size of the built-in transformer")
-    n_layers: int = Field(2, ge=1, le=64, description="transformer blocks")
-    n_heads: int = Field(4, ge=1, le=64, description="attention heads (must divide d_model)")
-    hf_path: str | None = Field(None, description="local path of a Hugging Face causal LM and its "
-                                "tokenizer to train instead (needs the 'hf' extra; every task symbol "
-                                "must be one token)")
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
-        if self.d_model % self.n_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
-        return self
-
-
-class TaskConfig(_Strict):
-    """The task: prompts and a verifiable reward in [0, 1] (see ftrt.grpo.tasks)."""
-
-    name: str = Field("reverse", description="registered task name (built in: reverse, add)")
-    params: dict[str, Any] = Field(default_factory=lambda: {"length": 6, "alphabet": 16},
-                                   description="the task's own parameters (reverse: length, "
-                                   "alphabet; add: digits)")
-
-
-class CheckpointConfig(_Strict):
+class CheckpointConfig(Strict):
     """Where and how often the run checkpoints (ftrt.checkpoint.Checkpointer)."""
 
     url: str | None = Field("grpo-checkpoints", description="checkpoint URL (path, file://, s3://, "
@@ -82,7 +53,7 @@ class CheckpointConfig(_Strict):
         raise ValueError(f"give auto or a whole number of steps >= {least}")
 
 
-class RolloutConfig(_Strict):
+class RolloutConfig(Strict):
     """Where completions come from: sampled inside each trainer rank (local) or by a separate
     fleet of rollout servers (``ftrt rollout serve``; docs/rollout.md)."""
 
@@ -104,7 +75,7 @@ class RolloutConfig(_Strict):
                                "job's, under ftrt launch)")
 
 
-class GRPOConfig(_Strict):
+class GRPOConfig(Strict):
     """One GRPO run. Defaults learn the default task on 2 CPU ranks in a few minutes."""
 
     seed: int = Field(0, ge=0, description="seeds the model init, the prompts and every sample")
@@ -185,22 +156,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         return GRPOConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(describe(exc)) from None
-
-
-def describe(exc: ValidationError) -> str:
-    """One sentence per problem: the dotted field, the value given and what is allowed."""
-    lines = []
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "config"
-        given = err.get("input")
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            lines.append(f"Unknown config field {field!r}; see python -m ftrt.grpo --help-config.")
-        elif not err["loc"]:  # a rule across fields: its message names them
-            lines.append(f"{msg}.")
-        else:
-            lines.append(f"Config field {field!r} = {given!r} is invalid: {msg}.")
-    return " ".join(lines)
 
 
 def help_text() -> str:

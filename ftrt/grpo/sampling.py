@@ -22,8 +22,8 @@ import torch.distributed as dist
 import ftrt
 from ftrt.errors import ConfigError
 from ftrt.grpo.config import GRPOConfig
-from ftrt.grpo.rollout import Batch, rollout, score
-from ftrt.grpo.tasks import Task, TokenizerVocab, Vocab
+from ftrt.policy.sample import Batch, rollout, score
+from ftrt.policy.tasks import Task, TokenizerVocab, Vocab
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class FleetSampling:
 
     def _connect(self, job_id: str) -> str:
         from ftrt.rollout.fleet import Fleet
-        from ftrt.rollout.spec import PolicySpec
+        from ftrt.policy.spec import PolicySpec
         from ftrt.store.access import EtcdTarget, from_env
         from ftrt.store.sync import SyncStore
 

@@ -11,7 +11,7 @@ Exactness rules (what makes resume and elasticity lossless):
   update is committed, never what a loader has read ahead;
 - ranks split a step's prompts in contiguous chunks (the first ``P mod world`` ranks take one
   more), so the global batch is the same at any world size;
-- samples are seeded by ``(seed, step, prompt_id, sample_idx)`` (see :mod:`ftrt.grpo.rollout`);
+- samples are seeded by ``(seed, step, prompt_id, sample_idx)`` (see :mod:`ftrt.policy.sample`);
 - loss normalisers are global (token and sequence counts all-reduced) and gradients are summed,
   so every world size computes the same update up to float summation order.
 """
@@ -35,11 +35,11 @@ from ftrt import _diag
 from ftrt.grpo.checkpointing import Cadences, SaveDecision, Saves
 from ftrt.grpo.config import GRPOConfig
 from ftrt.grpo.loss import aggregate, clipped_surrogate, group_advantages, k3_kl
-from ftrt.grpo.model import param_count
-from ftrt.grpo.rollout import Batch, token_logps
+from ftrt.policy.model import param_count
+from ftrt.policy.sample import Batch, token_logps
 from ftrt.grpo.sampling import FleetSampling, LocalSampling
-from ftrt.grpo.setting import build_setting
-from ftrt.grpo.tasks import Task, TokenizerVocab, Vocab
+from ftrt.policy.setting import build_setting
+from ftrt.policy.tasks import Task, TokenizerVocab, Vocab
 from ftrt.runtime import Runtime
 
 if TYPE_CHECKING:

@@ -17,7 +17,6 @@ import re
 from pathlib import Path
 from typing import Callable
 
-import ftrt
 from ftrt.checkpoint.commit import commit_folder as commit
 from ftrt.checkpoint.commit import newest_verified
 from ftrt.checkpoint.pointer import LatestPointer
@@ -33,26 +32,25 @@ def barrier() -> None:
         dist.barrier()
 
 
-def job_pointer(rt: ftrt.Runtime, output_dir: str) -> LatestPointer | None:
+def job_pointer(output_dir: str) -> LatestPointer | None:
     """The job's round-fenced ``latest`` pointer for ``output_dir`` under ``ftrt launch``, else None
     (on the worker's shared etcd connection: a pointer costs nothing to make)."""
-    return pointer_for(str(Path(output_dir).absolute()), rt)
+    return pointer_for(str(Path(output_dir).absolute()))
 
 
 def commit_folder(output_dir: str, folder: str, step: int, world_size: int, *, trainer: str,
-                  runtime: ftrt.Runtime | None = None, extra: dict | None = None) -> int:
+                  extra: dict | None = None) -> int:
     """Commit ``output_dir/folder`` as ``step`` (:func:`ftrt.checkpoint.commit.commit_folder`: the
     manifest of every file, fenced by the job's pointer under ``ftrt launch``); return the bytes
-    committed. ``runtime``: :func:`ftrt.init`'s (default)."""
+    committed."""
     loc = parse_url(str(Path(output_dir).absolute()))
-    manifest = commit(loc, folder, step, world_size, fence=job_pointer(runtime or ftrt.init(), output_dir),
+    manifest = commit(loc, folder, step, world_size, fence=job_pointer(output_dir),
                       extra={"trainer": trainer, **(extra or {})})
     return manifest.total_bytes
 
 
 def newest_committed(output_dir: str, pattern: re.Pattern, name_of: Callable[[int], str],
-                     runtime: ftrt.Runtime | None = None, accept: Callable[[str], str | None] | None = None
-                     ) -> str | None:
+                     accept: Callable[[str], str | None] | None = None) -> str | None:
     """The newest folder of ``output_dir`` named by ``pattern`` (its group 1 the step) whose files
     all match their manifest and, under ``ftrt launch``, whose step is not newer than the job's
     ``latest``; or None. ``name_of(step)`` must give the folder's name back. ``accept(path)``, called
@@ -61,7 +59,7 @@ def newest_committed(output_dir: str, pattern: re.Pattern, name_of: Callable[[in
     if not root.is_dir():
         return None
     steps = [int(m.group(1)) for p in root.iterdir() if (m := pattern.match(p.name))]
-    pointer = job_pointer(runtime or ftrt.init(), output_dir)
+    pointer = job_pointer(output_dir)
     latest = pointer.latest() if pointer is not None else None
     step = newest_verified(parse_url(str(root.absolute())), steps, name_of, latest=latest,
                            accept=(lambda folder: accept(str(root / folder))) if accept is not None else None)

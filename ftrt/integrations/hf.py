@@ -105,7 +105,7 @@ class FtrtCallback(TrainerCallback):
         barrier()  # every rank has written its part of checkpoint-N
         if state.is_world_process_zero:
             commit_folder(args.output_dir, _folder(state.global_step), state.global_step, self.rt.world_size,
-                          trainer="transformers", runtime=self.rt)
+                          trainer="transformers")
         barrier()  # no rank goes on before the commit (or its failure) is settled
         if self._ending:
             self.rt.exit_for_round()

@@ -163,8 +163,7 @@ class FtrtCheckpointIO(CheckpointIO):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, folder / DATA_FILE)
-        commit_folder(str(folder.parent.absolute()), folder.name, step, self.rt.world_size, trainer="lightning",
-                      runtime=self.rt)
+        commit_folder(str(folder.parent.absolute()), folder.name, step, self.rt.world_size, trainer="lightning")
         log.debug("committed %s (step %d)", folder, step)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,

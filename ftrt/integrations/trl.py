@@ -166,7 +166,7 @@ class FtrtCallback(hf.FtrtCallback):
     def resume_checkpoint(self) -> str | None:
         """The newest committed checkpoint this trainer can resume from exactly in prompts (module
         docstring), with the data order positioned for it; or None."""
-        folder = newest_committed(self.trainer.args.output_dir, hf._FOLDER, hf._folder, self.rt, self._acceptable)
+        folder = newest_committed(self.trainer.args.output_dir, hf._FOLDER, hf._folder, self._acceptable)
         if folder is None:
             return None
         rank, world = self._rank_world()

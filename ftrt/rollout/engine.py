@@ -1,7 +1,7 @@
 """The built-in rollout engine: the job's policy, one weight version at a time, sampling prompt groups.
 
 A sample is a pure function of (seed, step, prompt_id, sample_idx, weights): every group is
-sampled alone (:func:`ftrt.grpo.rollout.sample_group`, a forward batch of exactly G rows), with
+sampled alone (:func:`ftrt.policy.sample.sample_group`, a forward batch of exactly G rows), with
 uniforms drawn from counters, so which server made it, what else it was serving and how often it
 restarted do not change a bit of it.
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ftrt.grpo.rollout import sample_group
-from ftrt.grpo.setting import build_setting
-from ftrt.rollout.spec import PolicySpec
+from ftrt.policy.sample import sample_group
+from ftrt.policy.setting import build_setting
+from ftrt.policy.spec import PolicySpec
 from ftrt.rollout.weights import Expected, expected_of
 
 NO_VERSION = -1

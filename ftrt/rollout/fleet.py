@@ -32,13 +32,13 @@ import grpc.aio
 import numpy as np
 import torch
 
-from ftrt.agents.auth import job_token
+from ftrt.auth import job_token
 from ftrt.errors import FtrtError, StoreError
 from ftrt.jobkeys import JobKeys
 from ftrt.rollout.ledger import GroupKey, Ledger, ServerView, next_push, route
 from ftrt.rollout.records import ServerRecord
 from ftrt.rollout.server import MAX_MESSAGE
-from ftrt.rollout.spec import PolicySpec
+from ftrt.policy.spec import PolicySpec
 from ftrt.rollout.weights import Outgoing, chunks
 from ftrt.store.sync import SyncStore
 from ftrt.v1 import rollout_pb2, rollout_pb2_grpc

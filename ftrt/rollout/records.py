@@ -27,7 +27,7 @@ class ServerRecord:
     max_versions: int = 1
     """How many versions the engine can hold at once (vLLM: 1)."""
     spec_digest: str = ""
-    """The policy spec it serves (:attr:`ftrt.rollout.spec.PolicySpec.digest`): a trainer uses only
+    """The policy spec it serves (:attr:`ftrt.policy.spec.PolicySpec.digest`): a trainer uses only
     servers of its own spec."""
 
     def encode(self) -> bytes:

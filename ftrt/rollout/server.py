@@ -28,13 +28,13 @@ import grpc
 import grpc.aio
 
 from ftrt import _diag
-from ftrt.agents.auth import JobToken, job_token, require_token
-from ftrt.agents.session import Session
+from ftrt.auth import JobToken, job_token, require_token
+from ftrt.store.concurrency import Session
 from ftrt.errors import ConfigError, StoreError
 from ftrt.jobkeys import JobKeys, check_id
 from ftrt.rollout.engine import BuiltinEngine
 from ftrt.rollout.records import ServerRecord
-from ftrt.rollout.spec import PolicySpec, decode_spec
+from ftrt.policy.spec import PolicySpec, decode_spec
 from ftrt.rollout.errors import EngineFailed, StaleVersion
 from ftrt.rollout.weights import Assembler, PushRefused
 from ftrt.store import access as etcd_access

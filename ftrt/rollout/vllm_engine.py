@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 
 from ftrt.errors import ConfigError
-from ftrt.grpo.rollout import make_prompts, sample_seed
-from ftrt.grpo.setting import build_setting
+from ftrt.policy.sample import make_prompts, sample_seed
+from ftrt.policy.setting import build_setting
 from ftrt.procs import descendants
 from ftrt.rollout.engine import NO_VERSION, Held
-from ftrt.rollout.spec import PolicySpec
+from ftrt.policy.spec import PolicySpec
 from ftrt.rollout.errors import EngineFailed, StaleVersion
 from ftrt.rollout.weights import Expected, PushRefused, expected_of
 

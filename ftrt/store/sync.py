@@ -3,8 +3,9 @@ connection on it for the store's lifetime (one connection, and under etcd auth o
 authentication, rather than one per call).
 
 A worker's etcd users (the checkpoint pointer, the rollout fleet) run on threads that are not event
-loops; they share the one :meth:`ftrt.Runtime.etcd_store` gives them. Coroutines that need the loop
-itself (the fleet's pump and gRPC channels) run on :attr:`SyncStore.loop`.
+loops; they share one per etcd target (:func:`shared`; :meth:`ftrt.Runtime.etcd_store` gives the
+job's). Coroutines that need the loop itself (the fleet's pump and gRPC channels) run on
+:attr:`SyncStore.loop`.
 """
 
 from __future__ import annotations
@@ -60,3 +61,17 @@ class SyncStore:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(5)
             self.loop.close()
+
+
+_SHARED: dict[EtcdTarget, SyncStore] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared(target: EtcdTarget) -> SyncStore:
+    """This process's one store for ``target``, made on first use and kept for the process's life:
+    its users share one connection. Never close it; a process that forks must not use its parent's."""
+    with _SHARED_LOCK:
+        store = _SHARED.get(target)
+        if store is None or store.closed:
+            store = _SHARED[target] = SyncStore(target)
+        return store

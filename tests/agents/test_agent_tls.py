@@ -13,7 +13,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from ftrt.agents.auth import JobToken
+from ftrt.auth import JobToken
 from ftrt.agents.tls import AgentTls
 from ftrt.errors import ConfigError
 from ftrt.store.certs import tls_dir

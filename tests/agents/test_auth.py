@@ -12,7 +12,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from ftrt.agents.auth import READS, WRITES, JobToken, job_token
+from ftrt.auth import READS, WRITES, JobToken, job_token
 from ftrt.jobkeys import JobKeys
 from ftrt.store.etcd import EtcdStore
 from ftrt.v1 import agent_pb2, agent_pb2_grpc

@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-from ftrt.agents.boundary import (
-    BOUNDARY_WAIT_MAX,
-    BOUNDARY_WAIT_MIN,
-    RoundEndReader,
-    RoundEndWriter,
-    boundary_timeout,
-    planned_change,
-)
+from ftrt.agents.boundary import BOUNDARY_WAIT_MAX, BOUNDARY_WAIT_MIN, boundary_timeout, planned_change
+from ftrt.roundendfile import RoundEndReader, RoundEndWriter
 from ftrt.records import Member, RoundRecord
 
 A, B, C = Member("a", "a1", 1), Member("b", "b1", 1), Member("c", "c1", 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
-from ftrt.agents.election import SLOTS, Election, slot_of
+from ftrt.store.concurrency import SLOTS, Election, slot_of
 from ftrt.jobkeys import JobKeys
 from ftrt.store.api import Put
 from ftrt.store.etcd import EtcdStore
@@ -42,7 +42,7 @@ async def test_slot_holders_lead_in_turn_and_a_leaders_loss_wakes_only_its_succe
     try:
         ids = _ids_in_distinct_slots(8)
         leases = [(await store.grant_lease(30)).id for _ in ids]
-        elections = [Election(store, keys, nid, lease, nid.encode()) for nid, lease in zip(ids, leases)]
+        elections = [Election(store, keys.election, nid, lease, nid.encode()) for nid, lease in zip(ids, leases)]
         for e in elections:  # joined in order: the slot keys' create revisions give the queue
             campaigns.append(asyncio.create_task(e.campaign()))
             await asyncio.sleep(0.02)
@@ -82,7 +82,7 @@ async def test_at_most_slots_candidates_and_a_freed_slot_is_taken_by_one_waiting
     try:
         ids = [f"node-{i}" for i in range(3 * SLOTS)]
         leases = [(await store.grant_lease(30)).id for _ in ids]
-        elections = [Election(store, keys, nid, lease, nid.encode()) for nid, lease in zip(ids, leases)]
+        elections = [Election(store, keys.election, nid, lease, nid.encode()) for nid, lease in zip(ids, leases)]
         for e in elections:
             campaigns.append(asyncio.create_task(e.campaign()))
         await _settle()

@@ -9,7 +9,7 @@ import types
 import grpc.aio
 import torch
 
-from ftrt.agents.auth import JobToken
+from ftrt.auth import JobToken
 from ftrt.agents.replicator import Replicator
 from ftrt.agents.service import AgentServicer
 from ftrt.checkpoint.memtier import Arena, Entry

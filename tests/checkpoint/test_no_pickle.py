@@ -17,7 +17,7 @@ import grpc.aio
 import pytest
 import torch
 
-from ftrt.agents.auth import JobToken
+from ftrt.auth import JobToken
 from ftrt.agents.service import AgentServicer
 from ftrt.checkpoint import Checkpointer, memtier, skeleton
 from ftrt.checkpoint.memindex import BadIndex, check_index

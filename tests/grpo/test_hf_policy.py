@@ -12,8 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 from ftrt.errors import ConfigError  # noqa: E402
-from ftrt.grpo.model import HFPolicy  # noqa: E402
-from ftrt.grpo.tasks import Reverse, TokenizerVocab  # noqa: E402
+from ftrt.policy.model import HFPolicy  # noqa: E402
+from ftrt.policy.tasks import Reverse, TokenizerVocab  # noqa: E402
 
 
 def save_task_tokenizer(path) -> list[str]:

@@ -7,9 +7,9 @@ import torch
 
 from ftrt.errors import ConfigError
 from ftrt.grpo.config import load_config
-from ftrt.grpo.model import TinyLM
-from ftrt.grpo.rollout import make_prompts, pick, rollout, uniforms
-from ftrt.grpo.tasks import Add, Reverse, Vocab, make_task, positional_credit, prompt_rng, register_task
+from ftrt.policy.model import TinyLM
+from ftrt.policy.sample import make_prompts, pick, rollout, uniforms
+from ftrt.policy.tasks import Add, Reverse, Vocab, make_task, positional_credit, prompt_rng, register_task
 from ftrt.grpo.trainer import shard
 
 

@@ -14,7 +14,7 @@ import sys
 import grpc
 import pytest
 
-from ftrt.agents.auth import JobToken
+from ftrt.auth import JobToken
 from ftrt.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.agents.harness import FAST_WARM, Node
 from tests.rollout.fleetkit import (Server, exact, fleet_config, freeze_holding_groups, lines, stop_all, trainer,
@@ -109,7 +109,7 @@ def test_pushes_need_the_token_and_a_bad_push_changes_nothing(tmp_path, etcd_end
         wait_steps(metrics, 3)
         import asyncio
 
-        from ftrt.agents.auth import job_token
+        from ftrt.auth import job_token
         from ftrt.jobkeys import JobKeys
         from ftrt.rollout.records import ServerRecord
         from ftrt.store.etcd import EtcdStore
@@ -208,7 +208,7 @@ def test_a_server_that_loses_its_lease_fences_and_registers_again(tmp_path, etcd
 
     from ftrt.grpo.config import load_config
     from ftrt.jobkeys import JobKeys
-    from ftrt.rollout.spec import PolicySpec
+    from ftrt.policy.spec import PolicySpec
     from ftrt.store.etcd import EtcdStore
 
     keys = JobKeys(job_id)
@@ -270,7 +270,7 @@ def test_a_server_stops_when_the_trainer_publishes_another_spec(tmp_path, etcd_e
     """A new run under the same job id (another temperature): the old server must not sample for it."""
     from ftrt.grpo.config import load_config
     from ftrt.jobkeys import JobKeys
-    from ftrt.rollout.spec import PolicySpec
+    from ftrt.policy.spec import PolicySpec
 
     key = JobKeys(job_id).rollout_spec
     _put(etcd_endpoint, key, PolicySpec.of(load_config(None, CONFIG)).encode())
@@ -288,7 +288,7 @@ def test_a_server_loads_models_only_from_its_model_dirs(tmp_path, etcd_endpoint,
     """The spec comes from etcd: a model path outside --model-dir is refused before anything loads."""
     from ftrt.grpo.config import load_config
     from ftrt.jobkeys import JobKeys
-    from ftrt.rollout.spec import PolicySpec
+    from ftrt.policy.spec import PolicySpec
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()

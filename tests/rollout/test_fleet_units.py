@@ -9,7 +9,7 @@ from ftrt.errors import ConfigError
 from ftrt.grpo.config import load_config
 from ftrt.rollout.ledger import GroupKey, Ledger, ServerView, next_push, route
 from ftrt.rollout.records import ServerRecord
-from ftrt.rollout.spec import PolicySpec, decode_spec
+from ftrt.policy.spec import PolicySpec, decode_spec
 from ftrt.rollout.weights import Assembler, Outgoing, PushRefused, chunks, expected_of
 from ftrt.v1 import rollout_pb2
 

@@ -57,7 +57,7 @@ def test_a_vllm_server_serves_seeded_groups_and_its_death_loses_no_prompt(tmp_pa
                                                                          job_id):
     import asyncio
 
-    from ftrt.agents.auth import job_token
+    from ftrt.auth import job_token
     from ftrt.jobkeys import JobKeys
     from ftrt.rollout.records import ServerRecord
     from ftrt.store.etcd import EtcdStore

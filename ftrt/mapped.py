@@ -3,7 +3,7 @@
 The agent writes the record; its workers read it with one read of mapped memory, no system call,
 so they can afford to look every step or every wake-up. Each write bumps a generation counter
 stored as the record's last field. The fence file (:mod:`ftrt.agents.fence`) and the round-end
-file (:mod:`ftrt.agents.boundary`) are such records.
+file (:mod:`ftrt.roundendfile`) are such records.
 """
 
 from __future__ import annotations

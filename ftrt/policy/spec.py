@@ -13,11 +13,11 @@ import json
 from pydantic import Field, ValidationError
 
 from ftrt.errors import ConfigError
-from ftrt.grpo.config import GRPOConfig, ModelConfig, TaskConfig, _Strict, describe
+from ftrt.policy.config import ModelConfig, Strict, TaskConfig, describe
 
 
-class PolicySpec(_Strict):
-    """The fields of a GRPO config that decide what a sample is."""
+class PolicySpec(Strict):
+    """The fields of a trainer's config that decide what a sample is."""
 
     seed: int = Field(ge=0)
     group_size: int = Field(ge=2)
@@ -28,7 +28,9 @@ class PolicySpec(_Strict):
     task: TaskConfig
 
     @classmethod
-    def of(cls, cfg: GRPOConfig) -> "PolicySpec":
+    def of(cls, cfg) -> "PolicySpec":
+        """The spec of a trainer's config (:class:`ftrt.grpo.config.GRPOConfig`, or anything with
+        its seed, group_size, temperature, max_new_tokens, threads, model and task fields)."""
         return cls(seed=cfg.seed, group_size=cfg.group_size, temperature=cfg.temperature,
                    max_new_tokens=cfg.max_new_tokens, threads=cfg.threads, model=cfg.model, task=cfg.task)
 

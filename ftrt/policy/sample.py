@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ftrt.grpo.tasks import Task, Vocab, prompt_rng
+from ftrt.policy.tasks import Task, Vocab, prompt_rng
 
 
 def sample_seed(seed: int, step: int, prompt_id: int, sample_idx: int) -> int:

@@ -4,7 +4,7 @@ A task is a small object (:class:`Task`): its symbols, a fixed prompt and answer
 make prompt ``i`` of a run, and a reward with partial credit so a tiny model can learn from
 scratch. Users add their own with :func:`register_task`::
 
-    from ftrt.grpo.tasks import Task, register_task
+    from ftrt.policy.tasks import Task, register_task
 
     @register_task("upper")
     def make_upper(length: int = 6) -> Task:
@@ -114,7 +114,7 @@ def make_task(name: str, params: dict) -> Task:
     """The task ``name`` built with ``params``; a clear error for an unknown name or parameter."""
     if name not in _REGISTRY:
         raise ConfigError(f"Config field 'task.name' = {name!r} is invalid: known tasks are "
-                          f"{', '.join(sorted(_REGISTRY))} (register your own with ftrt.grpo.tasks.register_task).")
+                          f"{', '.join(sorted(_REGISTRY))} (register your own with ftrt.policy.tasks.register_task).")
     factory = _REGISTRY[name]
     accepted = inspect.signature(factory).parameters
     for key in params:

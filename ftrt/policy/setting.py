@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ftrt.grpo.config import ModelConfig, TaskConfig
-from ftrt.grpo.model import build_policy
-from ftrt.grpo.tasks import Task, TokenizerVocab, Vocab, make_task
+from ftrt.policy.config import ModelConfig, TaskConfig
+from ftrt.policy.model import build_policy
+from ftrt.policy.tasks import Task, TokenizerVocab, Vocab, make_task
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
-"""Who may change an agent's state: a caller that shows the job's token.
+"""Who may change a job's state over gRPC: a caller that shows the job's token.
 
-Every agent RPC that writes (today ``PutReplica``) requires the job's credentials; the read-only
+The one owner of the job token, shared by the agents' service and the rollout servers. Every agent
+RPC that writes (today ``PutReplica``) requires the job's credentials, as do a rollout server's
+pushes and generation; the read-only
 ones (``Health``, ``Status``, ``Liveness``) answer anyone who reaches the port, since ``ftrt
 status`` and peers' death detection need nothing else. The token is 32 random bytes that the
 first agent of a job creates in etcd (an atomic create-if-absent, so concurrent first agents

@@ -81,7 +81,7 @@ class HFPolicy(nn.Module):
 
     ``forward(tokens, cache, start)`` returns ``(logits, cache)``; the cache is the model's own
     ``past_key_values``. The tokenizer saved beside the model maps the task's symbols to ids
-    (see :class:`ftrt.grpo.tasks.TokenizerVocab`).
+    (see :class:`ftrt.policy.tasks.TokenizerVocab`).
     """
 
     def __init__(self, path: str) -> None:
