@@ -27,7 +27,6 @@ import logging
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -65,19 +64,6 @@ class Choice(NamedTuple):
     """Old rank held -> the lowest new rank whose node holds it."""
 
 
-@dataclass
-class Entry:
-    """An index entry as :func:`layout` places it (:class:`~ftrt.checkpoint.memindex.IndexEntry`)."""
-
-    key: str
-    dtype: str
-    offset: int
-    nbytes: int
-    local_shape: list[int]
-    global_shape: list[int]
-    global_offset: list[int]
-
-
 _DTYPES = {str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype) and str(v) in ITEMSIZE}
 """The dtypes an index may name, by ``str`` (``"torch.float32"``): no other attribute of torch."""
 
@@ -99,14 +85,16 @@ def _region(t: Any) -> tuple[list[int], list[int], list[int]]:
     return list(t.shape), list(t.shape), [0] * t.dim()
 
 
-def layout(flat: dict[str, Any]) -> tuple[list[Entry], int]:
-    """Place every tensor of a flattened state in an arena; return entries and the arena size."""
-    entries, pos = [], 0
+def layout(flat: dict[str, Any]) -> tuple[list[IndexEntry], int]:
+    """Place every tensor of a flattened state in an arena; return its index entries and the arena size."""
+    entries: list[IndexEntry] = []
+    pos = 0
     for key, t in flat.items():
         local = t.to_local() if _is_dtensor(t) else t
         local_shape, global_shape, offset = _region(t)
         nbytes = local.numel() * local.element_size()
-        entries.append(Entry(key, str(local.dtype), pos, nbytes, local_shape, global_shape, offset))
+        entries.append(IndexEntry(key=key, dtype=str(local.dtype), offset=pos, nbytes=nbytes, local_shape=local_shape,
+                                  global_shape=global_shape, global_offset=offset))
         pos += (nbytes + ALIGN - 1) // ALIGN * ALIGN
     return entries, max(pos, ALIGN)
 
@@ -137,7 +125,7 @@ class Arena:
         """The slot of the rank's current memory checkpoint (None: there is none)."""
         return self._indexes.get("current.json")
 
-    def buffers(self, slot: int, entries: list[Entry], size: int) -> dict[str, torch.Tensor]:
+    def buffers(self, slot: int, entries: list[IndexEntry], size: int) -> dict[str, torch.Tensor]:
         """Tensors viewing slot ``slot`` of the arena, laid out as ``entries``.
 
         The checkpoint that slot held (``previous.json``) stops existing before it is overwritten.
@@ -152,23 +140,23 @@ class Arena:
             self._sizes[slot] = size
         raw = self._maps[slot]
         # The same layout save after save: reuse the slot's views (making them is ~1 ms a save).
-        signature = tuple((e.key, e.dtype, e.offset, e.nbytes, *e.local_shape) for e in entries)
+        signature = tuple((e["key"], e["dtype"], e["offset"], e["nbytes"], *e["local_shape"]) for e in entries)
         cached = self._views.get(slot)
         if cached is not None and cached[0] == signature and cached[1] is raw:
             return cached[2]
         views = {
-            e.key: raw[e.offset:e.offset + e.nbytes].view(_dtype(e.dtype)).view(e.local_shape)
+            e["key"]: raw[e["offset"]:e["offset"] + e["nbytes"]].view(_dtype(e["dtype"])).view(e["local_shape"])
             for e in entries
         }
         self._views[slot] = (signature, raw, views)
         return views
 
-    def commit(self, *, slot: int, step: int, round_no: int, world: int, entries: list[Entry],
+    def commit(self, *, slot: int, step: int, round_no: int, world: int, entries: list[IndexEntry],
                size: int, skeleton: Any) -> MemIndex:
         """Make ``slot`` the rank's current memory checkpoint (atomic rename)."""
         index: MemIndex = {
             "step": step, "round": round_no, "rank": self.rank, "world": world, "slot": slot,
-            "size": size, "entries": cast(list[IndexEntry], [vars(e) for e in entries]),  # vars: asdict deep-copies, ~6 ms a save
+            "size": size, "entries": entries,
             "skeleton": skeleton,
         }
         publish_index(self.dir, index)
@@ -385,5 +373,5 @@ def unflatten(skeleton: Any, values: dict[str, Any]) -> Any:
     return skel.decode(skeleton, tensor)
 
 
-__all__ = ["Arena", "BadIndex", "Choice", "Entry", "HeldIndex", "Unsupported", "check_index", "choose", "fill",
+__all__ = ["Arena", "BadIndex", "Choice", "HeldIndex", "IndexEntry", "Unsupported", "check_index", "choose", "fill",
            "flatten", "layout", "needed_ranks", "scan", "unflatten"]

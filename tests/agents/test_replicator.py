@@ -12,7 +12,8 @@ import torch
 from ftrt.auth import JobToken
 from ftrt.agents.replicator import Replicator
 from ftrt.agents.service import AgentServicer
-from ftrt.checkpoint.memtier import Arena, Entry
+from ftrt.checkpoint.memindex import IndexEntry
+from ftrt.checkpoint.memtier import Arena
 from ftrt.v1 import agent_pb2_grpc
 
 
@@ -22,7 +23,8 @@ TOKEN = JobToken("5" * 64)
 def commit(mem_dir, rank: int, step: int, sharded: bool) -> None:
     t = torch.full((4, 4), float(step))
     global_shape, offset = ([8, 4], [4 * rank, 0]) if sharded else ([4, 4], [0, 0])
-    entries = [Entry("w", str(t.dtype), 0, t.numel() * 4, [4, 4], global_shape, offset)]
+    entries = [IndexEntry(key="w", dtype=str(t.dtype), offset=0, nbytes=t.numel() * 4, local_shape=[4, 4],
+                          global_shape=global_shape, global_offset=offset)]
     arena = Arena(str(mem_dir), rank)
     slot = (arena.current_slot() or 0) ^ 1
     arena.buffers(slot, entries, 4096)["w"].copy_(t)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ftrt.checkpoint import memtier
-from ftrt.checkpoint.memtier import Arena, Entry, Unsupported
+from ftrt.checkpoint.memindex import IndexEntry
+from ftrt.checkpoint.memtier import Arena, Unsupported
 
 
 def save_rank(mem_dir, rank: int, world: int, chunks: dict[str, tuple[torch.Tensor, list[int], list[int]]],
@@ -19,7 +20,8 @@ def save_rank(mem_dir, rank: int, world: int, chunks: dict[str, tuple[torch.Tens
     entries, pos = [], 0
     for key, (t, gshape, goff) in chunks.items():
         nbytes = t.numel() * t.element_size()
-        entries.append(Entry(key, str(t.dtype), pos, nbytes, list(t.shape), gshape, goff))
+        entries.append(IndexEntry(key=key, dtype=str(t.dtype), offset=pos, nbytes=nbytes, local_shape=list(t.shape),
+                                  global_shape=gshape, global_offset=goff))
         pos += (nbytes + memtier.ALIGN - 1) // memtier.ALIGN * memtier.ALIGN
     arena = Arena(str(mem_dir), rank)
     bufs = arena.buffers(0, entries, pos)
