@@ -40,13 +40,13 @@ import grpc.aio
 
 from ftrt import reports
 from ftrt.auth import JobToken, job_token
-from ftrt.agents.boundary import boundary_timeout, planned_change
+from ftrt.agents.workers.boundary import boundary_timeout, planned_change
 from ftrt.agents.config import LaunchConfig
 from ftrt.agents.decide import RendezvousConfig
-from ftrt.agents.early import EarlyStart
+from ftrt.agents.workers.early import EarlyStart
 from ftrt.agents.events import EventLog, open_event_file
-from ftrt.agents.fence import FenceWriter
-from ftrt.agents.health import find_hung
+from ftrt.agents.workers.fence import FenceWriter
+from ftrt.agents.workers.hangs import find_hung
 from ftrt.agents.membership import Membership
 from ftrt.agents.peers import MONITORED_PEERS, PeerMonitor
 from ftrt.agents.probes import Probes, judge
@@ -56,8 +56,9 @@ from ftrt.agents.replicator import Replicator
 from ftrt.agents.service import AgentServicer, AgentStatus, bind_server, serve
 from ftrt.agents.states import AgentState, check_transition
 from ftrt.agents.telemetry import Metrics, metrics_for
-from ftrt.agents.worker_env import recorded_error, worker_env
-from ftrt.agents.workers import Worker, WorkerPool, change_interval, idle_warm_grace
+from ftrt.agents.workers.env import recorded_error, worker_env
+from ftrt.agents.workers.pool import Worker, WorkerPool
+from ftrt.agents.workers.warmup import change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, StoreUnavailable, WorkerFailure
 from ftrt.jobkeys import JobKeys
@@ -710,7 +711,7 @@ class Agent:
 
     async def _end_at_boundary(self, old: LocalRound, new: LocalRound) -> None:
         """Before a planned round replaces ``old``, let the workers that poll for it finish their
-        step, save it and exit (:mod:`ftrt.agents.boundary`), for at most a few steps."""
+        step, save it and exit (:mod:`ftrt.agents.workers.boundary`), for at most a few steps."""
         polling = [w for w in self.pool.running if w.polls_boundary and w.exit_code is None]
         if not polling or not planned_change(old, new):
             return

@@ -64,13 +64,13 @@ def config_from_namespace(ns: argparse.Namespace) -> "LaunchConfig":
 
 
 def launch_main(argv: list[str]) -> int:
-    from ftrt.agents.early import EarlyStart
-    from ftrt.agents.workers import warm_imports_for
+    from ftrt.agents.workers.early import EarlyStart
+    from ftrt.agents.workers.warmup import warm_imports_for
 
     ns = build_parser().parse_args(argv)
     early = None
     if ns.target is not None and ns.warm_workers and 1 <= ns.nproc_per_node <= 1024:
-        # Spares start now, before the imports below: see ftrt.agents.early.
+        # Spares start now, before the imports below: see ftrt.agents.workers.early.
         early = EarlyStart.begin(
             nproc=ns.nproc_per_node, warm=True,
             warm_imports=tuple(ns.warm_imports) if ns.warm_imports else

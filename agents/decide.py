@@ -20,7 +20,7 @@ Rules, in order:
 5. A member draining (its record says ``leaving``; SIGTERM, a preemption notice or ``ftrt
    drain``): after ``settle_s``, write the next round without it, plus ready newcomers. This is a
    planned change, not a fault: no fault or restart is counted, so the old round's workers end
-   at a step boundary and save it (:mod:`ftrt.agents.boundary`).
+   at a step boundary and save it (:mod:`ftrt.agents.workers.boundary`).
 6. Fewer than ``min_nodes`` survivors (after a loss or a drain): the round is written inactive
    (workers stop) and the job waits, up to ``join_timeout_s``, then fails.
 7. Ready newcomers while the round is below ``max_nodes``: after ``join_settle_s`` (so nodes that

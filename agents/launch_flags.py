@@ -6,7 +6,7 @@ default from :data:`DEFAULTS`. A field without a flag is named in :data:`NO_FLAG
 (``tests/agents/test_cli_config.py`` checks that every field is one or the other).
 
 This module is on the agent's start path: ``ftrt launch`` parses its flags and starts its spare
-workers before the agent's heavier imports (see :mod:`ftrt.agents.early`). So it imports no pydantic,
+workers before the agent's heavier imports (see :mod:`ftrt.agents.workers.early`). So it imports no pydantic,
 and its records are named tuples, which cost less to define than dataclasses.
 """
 

@@ -19,7 +19,7 @@ import grpc.aio
 
 from ftrt.auth import JobToken, require_token
 from ftrt.agents.tls import PLAINTEXT, AgentTls
-from ftrt.agents.workers import Worker
+from ftrt.agents.workers.pool import Worker
 from ftrt.roster import LocalRound
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
 

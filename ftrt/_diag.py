@@ -8,7 +8,7 @@ nowhere else. Each switch removes a safety mechanism or a saving, so it is for m
 - ``vote``: ``Checkpointer.save(skip_if_busy=True)`` decides on this rank's view alone, without
   the collective that also orders memory checkpoints after every rank's previous step;
 - ``template``: the agent starts every spare as a new Python process instead of forking it from
-  its spare template (:mod:`ftrt.agents.template`), as before 2026-12-03.
+  its spare template (:mod:`ftrt.agents.workers.template`), as before 2026-12-03.
 
 ``FTRT_DIAG_TRACE=PATH`` makes :func:`mark` append one JSON line per phase of a worker's start
 (assigned, process group, restore, first step) to ``PATH``, so a bench can split a pause into its

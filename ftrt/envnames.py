@@ -7,7 +7,7 @@ side that sets it and the side that reads it. Pure constants: workers import it 
 
 from __future__ import annotations
 
-# -- agent -> worker: who and where the worker is (agents/worker_env.py sets them per round) -----
+# -- agent -> worker: who and where the worker is (agents/workers/env.py sets them per round) -----
 JOB_ID = "FTRT_JOB_ID"
 """The job's id; its presence means the process runs under ``ftrt launch``."""
 NODE_ID = "FTRT_NODE_ID"
@@ -28,7 +28,7 @@ MEM_DIR = "FTRT_MEM_DIR"
 ROUND_END_FILE = "FTRT_ROUND_END_FILE"
 """The mapped file through which the agent asks a round to end at a step boundary."""
 
-# -- agent -> spare (agents/workers.py, agents/_bootstrap.py, agents/template.py) ----------------
+# -- agent -> spare (agents/workers/pool.py, agents/workers/_bootstrap.py, agents/workers/template.py) ----------------
 CONTROL_FD = "FTRT_CONTROL_FD"
 """The pipe on which a spare receives its assignment."""
 REPORT_FD = "FTRT_REPORT_FD"

@@ -2,7 +2,7 @@
 
 The agent writes the record; its workers read it with one read of mapped memory, no system call,
 so they can afford to look every step or every wake-up. Each write bumps a generation counter
-stored as the record's last field. The fence file (:mod:`ftrt.agents.fence`) and the round-end
+stored as the record's last field. The fence file (:mod:`ftrt.agents.workers.fence`) and the round-end
 file (:mod:`ftrt.roundendfile`) are such records.
 """
 

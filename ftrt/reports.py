@@ -1,7 +1,7 @@
 """The worker -> agent report messages: the one owner of their types, shapes and wire form.
 
 A worker writes JSON lines to the pipe named by ``FTRT_REPORT_FD`` (:meth:`ftrt.Runtime.report`);
-its agent reads them (:mod:`ftrt.agents.workers`). Each message is one of the frozen dataclasses
+its agent reads them (:mod:`ftrt.agents.workers.pool`). Each message is one of the frozen dataclasses
 below, written by :func:`encode` as an object whose ``"t"`` is the class's ``TYPE`` and read back
 by :func:`decode`, the one decoder. A message is never acknowledged, and one the agent is too far
 behind to read is dropped, so none may be needed for correctness: they drive supervision
@@ -61,7 +61,7 @@ class Done:
 
 @dataclass(frozen=True)
 class Boundary:
-    """The worker polls the round-end file (:mod:`ftrt.roundendfile`, :mod:`ftrt.agents.boundary`)."""
+    """The worker polls the round-end file (:mod:`ftrt.roundendfile`, :mod:`ftrt.agents.workers.boundary`)."""
 
     TYPE: ClassVar[str] = "boundary"
 

@@ -3,7 +3,7 @@
 The one owner of that contract between an agent (:class:`RoundEndWriter`) and its workers
 (:class:`RoundEndReader`, read by :meth:`ftrt.Runtime.round_ending`): a mapped record
 (:mod:`ftrt.mapped`) holding the highest round asked to end, whether the node drains, and the highest
-round whose end must be saved to storage. :mod:`ftrt.agents.boundary` says when an agent asks.
+round whose end must be saved to storage. :mod:`ftrt.agents.workers.boundary` says when an agent asks.
 """
 
 from __future__ import annotations

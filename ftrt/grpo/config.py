@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ftrt.errors import ConfigError
 from ftrt.policy.config import ModelConfig, Strict, TaskConfig, describe  # noqa: F401 - describe: part of this module's API

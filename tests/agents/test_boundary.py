@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftrt.agents.boundary import BOUNDARY_WAIT_MAX, BOUNDARY_WAIT_MIN, boundary_timeout, planned_change
+from ftrt.agents.workers.boundary import BOUNDARY_WAIT_MAX, BOUNDARY_WAIT_MIN, boundary_timeout, planned_change
 from ftrt.roundendfile import RoundEndReader, RoundEndWriter
 from ftrt.records import Member, RoundRecord
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ftrt.agents.fence import FENCED, UNSET, FenceWriter, next_check
+from ftrt.agents.workers.fence import FENCED, UNSET, FenceWriter, next_check
 
 
 def test_next_check_stops_on_a_fence_or_a_passed_deadline():
@@ -29,7 +29,7 @@ def test_next_check_sleeps_until_just_past_the_deadline_at_most_max_interval():
 def _watched_child(path: str, max_interval: float) -> subprocess.Popen:
     code = (
         "import sys, time\n"
-        "from ftrt.agents.fence import start_watchdog\n"
+        "from ftrt.agents.workers.fence import start_watchdog\n"
         f"start_watchdog({path!r}, max_interval={max_interval})\n"
         "print('watching', flush=True)\n"
         "time.sleep(60)\n"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ftrt.agents.config import load_config
-from ftrt.agents.workers import (
+from ftrt.agents.workers.warmup import (
     DEFAULT_WARM_IMPORTS,
     IDLE_WARM_GRACE,
     IDLE_WARM_GRACE_MAX,

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from ftrt.agents.workers import WorkerPool
+from ftrt.agents.workers.pool import WorkerPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,7 +64,7 @@ def test_replacement_spares_are_forked_from_the_template_and_report_their_exit_c
             tpl = await p.warm_template()
             assert tpl is not None and tpl.usable
             w = await p.assign(7)
-            assert parent_of(w.pid) == tpl.worker.pid  # forked, not started by the agent
+            assert parent_of(w.pid) == tpl.proc.pid  # forked, not started by the agent
             assert os.getpgid(w.pid) == w.pid  # its own group: the pool stops it by group
             await asyncio.wait_for(w.exited.wait(), 30)
             assert p.exits == [(w.pid, 7)]  # the code the template reaped
@@ -72,13 +72,13 @@ def test_replacement_spares_are_forked_from_the_template_and_report_their_exit_c
             assert b"[rank3]: imported: True rank 3 frozen: True" in p.out.getvalue()
             # A worker stopped by the pool: SIGTERM reaches it, its code is the signal's.
             w2 = await p.assign(0, mode="sleep")
-            assert parent_of(w2.pid) == tpl.worker.pid
+            assert parent_of(w2.pid) == tpl.proc.pid
             await asyncio.sleep(0.5)
             await p.pool.stop_running(grace=5)
             assert w2.exit_code == -signal.SIGTERM and len(p.exits) == 1  # a stop is not a failure
         finally:
             await p.pool.close(1)
-        assert tpl.worker.exit_code is not None  # the template went with the pool
+        assert tpl.proc.exit_code is not None  # the template went with the pool
 
     asyncio.run(main())
 
@@ -89,7 +89,7 @@ def test_a_lost_template_takes_its_workers_with_it_and_spares_start_directly_aft
         try:
             tpl = await p.warm_template()
             w = await p.assign(0, mode="sleep")
-            os.kill(tpl.worker.pid, signal.SIGKILL)
+            os.kill(tpl.proc.pid, signal.SIGKILL)
             await asyncio.wait_for(w.exited.wait(), 30)
             assert p.exits == [(w.pid, -signal.SIGKILL)]  # reported as a failure, not lost
             assert p.pool._template is None

@@ -33,13 +33,15 @@ def train(tmp_path, name: str, *extra: str) -> tuple[list[int], list[int], str]:
 
 
 def test_auto_storage_cadence_follows_the_mtbf(tmp_path):
-    saved, due, out = train(tmp_path, "frequent", "checkpoint.mtbf=0.001")
+    saved, due, _ = train(tmp_path, "frequent", "checkpoint.mtbf=0.001")
     # A failure every millisecond: a save is due after every step (one due while the last is still
     # being written is skipped, so that slow storage never stalls training).
     assert due == list(range(1, 26)), due
     assert saved[0] == 1 and saved[-1] == 25 and set(saved) <= set(due), saved
-    assert "storage checkpoints every" in out and "MTBF 0 s (configured)" in out
-    saved, due, out = train(tmp_path, "rare", "checkpoint.mtbf=1e9", "checkpoint.max_interval_s=1e6")
+    # (The interval auto then announces needs the first save's cost, which arrives once that save is
+    # persisted, at low CPU priority: on a busy machine after these 25 steps. What it announces is
+    # checked on agreed numbers in the test below.)
+    saved, due, _ = train(tmp_path, "rare", "checkpoint.mtbf=1e9", "checkpoint.max_interval_s=1e6")
     assert saved == due == [1, 25], (saved, due)  # the first save measures the cost; the last always goes
     saved, due, _ = train(tmp_path, "fixed", "checkpoint.interval=10")
     assert due == [10, 20, 25] and set(saved) <= set(due) and saved[-1] == 25, (saved, due)

@@ -120,7 +120,7 @@ def test_access_files_are_checked_before_any_call(etcd_secure, tmp_path):
 
 def test_a_worker_gets_paths_and_never_the_password(etcd_secure, tmp_path):
     from ftrt.records import Member, RoundRecord
-    from ftrt.agents.worker_env import worker_env
+    from ftrt.agents.workers.env import worker_env
 
     secret = tmp_path / "pw"
     secret.write_text("job-password\n")

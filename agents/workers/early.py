@@ -16,15 +16,16 @@ import tempfile
 from dataclasses import dataclass, field
 
 from ftrt import _diag, envnames, roundendfile
-from ftrt.agents.fence import FenceWriter
+from ftrt.agents.workers.fence import FenceWriter
 from ftrt.agents.replicator import make_mem_dir
-from ftrt.agents.workers import Spawned, spawn_bootstrap, spawn_template
+from ftrt.agents.workers.procs import Spawned, spawn_bootstrap
+from ftrt.agents.workers.template import spawn_template
 
 
 @dataclass
 class EarlyStart:
     """The agent's run directory, fence file, worker environment and pre-started spares: a spare
-    template (:mod:`ftrt.agents.template`) that forks them once warm, or with templates off, the
+    template (:mod:`ftrt.agents.workers.template`) that forks them once warm, or with templates off, the
     spares themselves."""
 
     run_dir: str

@@ -1,4 +1,4 @@
-"""Entry point of every worker process an agent starts (``python -m ftrt.agents._bootstrap``).
+"""Entry point of every worker process an agent starts (``python -m ftrt.agents.workers._bootstrap``).
 
 A worker starts *warm*: it imports torch (the slow part of a Python worker's start, 1.5-3 s here),
 optionally opens the TCPStore its round will use, reports ``ready`` and blocks until the agent
@@ -14,7 +14,7 @@ Wire protocol (JSON lines):
   script reports through :class:`ftrt.Runtime` (:mod:`ftrt.reports` owns every message type).
 
 The process dies with its agent (``PR_SET_PDEATHSIG``) and runs the fence watchdog
-(:mod:`ftrt.agents.fence`) once assigned. Started as a *template* (:mod:`ftrt.agents.template`),
+(:mod:`ftrt.agents.workers.fence`) once assigned. Started as a *template* (:mod:`ftrt.agents.workers.template`),
 it does the warm imports once and then forks spares, each of which goes on from here as a spare
 started directly would.
 """
@@ -25,7 +25,7 @@ import os
 import sys
 
 from ftrt import envnames, reports
-from ftrt.agents import template
+from ftrt.agents.workers import template
 
 _STORE = None  # the round's TCPStore server lives as long as this process
 
@@ -109,7 +109,7 @@ def main() -> None:
     _diag.mark("assigned")
 
     if fence_path and not _diag.off("fence"):
-        from ftrt.agents.fence import start_watchdog
+        from ftrt.agents.workers.fence import start_watchdog
 
         start_watchdog(fence_path)
 

@@ -24,20 +24,25 @@ with the template (``PR_SET_PDEATHSIG``), which dies with the agent. The templat
 fork once CUDA is initialised in it (a forked child could not use the GPU): it exits, and the
 pool starts spares directly from then on.
 
-This module imports only the standard library: the template's imports are the warm imports.
+The agent's handle on its template, :class:`SpareTemplate`, lives here too. This module and what it
+imports are light (the standard library, :mod:`ftrt.reports`): the template's imports are the warm
+imports.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import select
+import signal
 import socket
 import sys
-from dataclasses import dataclass, field
-from typing import IO
+import time
+from dataclasses import dataclass
 
 from ftrt import envnames, reports
+from ftrt.agents.workers.procs import ForkedProc, Proc, Spawned, spawn_bootstrap
 
 ENV = envnames.TEMPLATE_FD
 """Set (to the template's socket descriptor) in a bootstrap that is to be a template."""
@@ -48,40 +53,6 @@ REPLY_TIMEOUT_S = 5.0
 
 class TemplateError(OSError):
     """The template did not fork a spare (it died, or did not answer in time)."""
-
-
-@dataclass(eq=False)
-class ForkedProc:
-    """A spare forked by the template, as the pool sees it (in place of a ``subprocess.Popen``).
-
-    The agent is not its parent: its return code arrives in the template's report
-    (:meth:`finished`).
-    """
-
-    pid: int
-    stdout: IO[bytes]
-    stderr: IO[bytes]
-    returncode: int | None = None
-    _waiters: list = field(default_factory=list)
-
-    def finished(self, code: int) -> None:
-        """Record the return code the template reported."""
-        if self.returncode is None:
-            self.returncode = code
-        for fut in self._waiters:
-            if not fut.done():
-                fut.set_result(self.returncode)
-        self._waiters.clear()
-
-    async def wait_exit(self) -> int:
-        """Wait for :meth:`finished`; the return code."""
-        if self.returncode is not None:
-            return self.returncode
-        import asyncio
-
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        return await fut
 
 
 def socket_pair() -> tuple[socket.socket, socket.socket]:
@@ -203,7 +174,6 @@ def die_with(parent: int) -> None:
     """SIGKILL this process when ``parent`` exits (and at once if it already has)."""
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -212,4 +182,74 @@ def die_with(parent: int) -> None:
         os._exit(70)
 
 
-__all__ = ["ENV", "ForkedProc", "SpareFds", "TemplateError", "die_with", "fork_spare", "serve", "socket_pair"]
+# -- the agent's side ---------------------------------------------------------------------------
+def spawn_template(*, base_env: dict[str, str], fence_path: str, warm_imports: tuple[str, ...],
+                   idle: bool) -> tuple[Spawned, socket.socket]:
+    """Start a spare template: the process and the agent's end of its request socket (synchronous,
+    like :func:`~ftrt.agents.workers.procs.spawn_bootstrap`)."""
+    ours, theirs = socket_pair()
+    try:
+        spawned = spawn_bootstrap(base_env=base_env, fence_path=fence_path, warm_imports=warm_imports,
+                                  hosts_store=False, idle=idle, template_fd=theirs.fileno())
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    os.close(spawned.control_fd)  # a template takes requests on its socket only
+    spawned.control_fd = -1
+    return spawned, ours
+
+
+class SpareTemplate:
+    """The agent's handle on its template process and request socket. ``proc`` is the template as
+    the agent watches it; its reports go to :meth:`on_report` (the pool wires that up)."""
+
+    def __init__(self, proc: Proc, sock: socket.socket) -> None:
+        self.proc = proc
+        self.sock = sock
+        self.ready = asyncio.Event()
+        """Set once the template finished its warm imports (or died)."""
+        self.forked: dict[int, ForkedProc] = {}
+        """Spares forked and not yet reported exited, by pid."""
+
+    @property
+    def usable(self) -> bool:
+        return self.ready.is_set() and self.proc.exit_code is None
+
+    @property
+    def warming(self) -> bool:
+        return not self.ready.is_set() and self.proc.exit_code is None
+
+    def on_report(self, report: reports.Report) -> None:
+        """The template's reports: ready once warm, then the exit of each spare it forked."""
+        match report:
+            case reports.Ready():
+                self.ready.set()
+            case reports.SpareExit(pid=pid, code=code):
+                proc = self.forked.pop(pid, None)
+                if proc is not None:
+                    proc.finished(code)
+
+    def fork(self, hosts_store: bool) -> Spawned:
+        """A warm spare, forked now (raises :class:`TemplateError`)."""
+        proc, control_fd, report_fd = fork_spare(self.sock, hosts_store=hosts_store)
+        self.forked[proc.pid] = proc
+        return Spawned(proc, control_fd, report_fd, hosts_store, time.monotonic())
+
+    def lost(self) -> None:
+        """The template exited: its children die with it (``PR_SET_PDEATHSIG``); make sure of it
+        and tell their waiters."""
+        self.ready.set()  # nobody waits forever on a dead template
+        self.sock.close()
+        for pid, proc in list(self.forked.items()):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.finished(-signal.SIGKILL)
+        self.forked.clear()
+
+
+__all__ = ["ENV", "SpareFds", "SpareTemplate", "TemplateError", "die_with", "fork_spare", "serve", "socket_pair",
+           "spawn_template"]
