@@ -45,8 +45,7 @@ class Probe:
     """Why, in a few words (the HTTP body)."""
 
 
-def judge(state: AgentState, *, registered: bool, expired: bool, draining: bool, in_round: bool,
-          current_round: int | None) -> Probe:
+def judge(state: AgentState, *, registered: bool, expired: bool, in_round: bool, current_round: int | None) -> Probe:
     """The probes' answer for an agent in ``state`` (see the module docstring). ``in_round``: this
     node is a member of the job's current round, which is active."""
     if state.terminal:
@@ -54,7 +53,7 @@ def judge(state: AgentState, *, registered: bool, expired: bool, draining: bool,
     if state is AgentState.FENCED or not registered or expired:
         return Probe(True, False, "fenced: its lease was lost; rejoining" if state is AgentState.FENCED
                      else "no live session with etcd")
-    if draining:
+    if state is AgentState.DRAINING:
         return Probe(True, False, "draining: leaving the job")
     if state is AgentState.RUNNING and in_round:
         return Probe(True, True, f"workers run in round {current_round}")

@@ -67,3 +67,45 @@ async def test_a_store_holder_that_never_starts_restarts_the_round_then_fails_th
         await asyncio.wait_for(main(cfg, store=store), 60)  # without the bound: stuck, cut at 60 s
     assert "did not start within 2 s (--worker-start-timeout)" in str(failed.value)
     assert "restart budget" in str(failed.value)
+
+
+class GoesDown:
+    """The agent's store, until :attr:`down` is set: from then on every call fails as an unreachable
+    etcd does (its lease cannot be renewed, nor a new one granted)."""
+
+    def __init__(self, store: EtcdStore) -> None:
+        self._store = store
+        self.down = False
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if not callable(attr) or name in ("close", "watch_prefix"):
+            return attr
+
+        async def call(*args, **kwargs):
+            if self.down:
+                raise StoreUnavailable("etcd did not answer (injected by the test)")
+            return await attr(*args, **kwargs)
+
+        return call
+
+
+async def test_a_fenced_agent_asked_to_leave_leaves_at_once(etcd_endpoint, job_id, tmp_path, caplog):
+    script = tmp_path / "sleeps.py"
+    script.write_text("import ftrt, time\nrt = ftrt.init()\nwhile True:\n    rt.heartbeat(0)\n    time.sleep(0.2)\n")
+    notice = tmp_path / "preempted"
+    cfg = parse_launch_args(["--node-id", "solo", "--etcd", etcd_endpoint, "--job-id", job_id, "--nnodes", "1",
+                             "--nproc-per-node", "1", "--no-warm", "--lease-ttl", "2", "--preemption-file",
+                             str(notice), "--preemption-poll", "0.1", str(script)])
+    store = GoesDown(EtcdStore(etcd_endpoint))
+    agent = asyncio.create_task(main(cfg, store=store))
+    from ftrt.chaos.local import wait_until, worker_pids
+
+    await asyncio.to_thread(wait_until, lambda: worker_pids(etcd_endpoint, job_id), 60, "the worker to run")
+    with caplog.at_level("INFO", logger="ftrt.agents"):
+        store.down = True  # the lease cannot be renewed: the agent fences itself and cannot rejoin
+        await asyncio.to_thread(wait_until, lambda: "rejoining failed" in caplog.text, 30, "the agent fenced")
+        assert not agent.done()
+        notice.touch()  # then the node is asked to leave: nothing to hand over, so it leaves at once
+        assert await asyncio.wait_for(agent, 30) == 0
+    assert "asked to leave while fenced (preemption notice" in caplog.text

@@ -19,7 +19,7 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 
 def _judge(state: AgentState, **kw):
-    args = dict(registered=True, expired=False, draining=False, in_round=True, current_round=3)
+    args = dict(registered=True, expired=False, in_round=True, current_round=3)
     return judge(state, **{**args, **kw})
 
 
@@ -30,7 +30,7 @@ def test_ready_means_live_and_running_in_the_current_round():
     assert spare.live and not spare.ready and "waiting for a round" in spare.detail
     assert not _judge(AgentState.RUNNING, in_round=False).ready  # the round moved on without it
     assert not _judge(AgentState.WAITING).ready  # its workers are starting
-    leaving = _judge(AgentState.RUNNING, draining=True)
+    leaving = _judge(AgentState.DRAINING)
     assert leaving.live and not leaving.ready and "draining" in leaving.detail
 
 
