@@ -18,7 +18,7 @@ Recovery paths and what bounds their time:
 - in either case the new round starts from warm spares: no interpreter boot, no torch import.
 
 :func:`~.parts.assemble` builds every part the agent uses; :func:`main` serves the gRPC service
-(which sees the agent only as a :class:`~ftrt.agents.service.StatusSource`), runs the agent and
+(which sees the agent only as a :class:`~ftrt.agents.peers.service.StatusSource`), runs the agent and
 closes the parts in order. A local failure (an exit or a hang) takes one route,
 :meth:`Agent._fail_round`, awaited by the loop.
 """
@@ -36,9 +36,9 @@ from pathlib import Path
 from ftrt.agents.config import LaunchConfig
 from ftrt.agents.inbox import StopSignal
 from ftrt.agents.parts import AgentParts, assemble, neighbours
-from ftrt.agents.peers import MONITORED_PEERS
-from ftrt.agents.probes import judge
-from ftrt.agents.service import AgentServicer, AgentStatus, serve
+from ftrt.agents.peers.monitor import MONITORED_PEERS
+from ftrt.agents.ops.probes import judge
+from ftrt.agents.peers.service import AgentServicer, AgentStatus, serve
 from ftrt.agents.states import (
     AgentState, Drain, Draining, Ended, Fenced, Finished, Running, Starting, State, Waiting, check_transition,
 )
@@ -75,7 +75,7 @@ class Agent:
         self._background: set[asyncio.Task] = set()
 
     def status(self) -> AgentStatus:
-        """A snapshot for the gRPC service (:class:`~ftrt.agents.service.StatusSource`)."""
+        """A snapshot for the gRPC service (:class:`~ftrt.agents.peers.service.StatusSource`)."""
         p = self.parts
         return AgentStatus(
             job_id=self.cfg.job_id, node_id=self.cfg.node_id, round=self.state.seen_round,
@@ -107,7 +107,7 @@ class Agent:
     async def run(self) -> int:
         self.stop.on_stop(self.parts.inbox.poke)
         if self.cfg.preemption_file or self.cfg.preemption_url:
-            from ftrt.agents import preemption
+            from ftrt.agents.ops import preemption
 
             self._spawn(preemption.watch(self.cfg.preemption_file, self.cfg.preemption_url, self.cfg.preemption_poll,
                                          self._on_notice))

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ftrt.jobkeys import check_id
 from ftrt.agents.launch_flags import DEFAULTS
-from ftrt.agents.tls import AgentTls
+from ftrt.agents.peers.tls import AgentTls
 from ftrt.agents.workers.warmup import DEFAULT_WARM_IMPORTS, warm_imports_for
 from ftrt.errors import ConfigError
 from ftrt.store.access import EtcdAccess

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, NamedTuple
 
-from ftrt.agents import tls as agent_tls
+from ftrt.agents.peers import tls as agent_tls
 from ftrt.errors import ConfigError
 from ftrt.store import access
 

@@ -20,18 +20,18 @@ import grpc.aio
 
 from ftrt import reports
 from ftrt.agents.config import LaunchConfig
-from ftrt.agents.decide import RendezvousConfig
-from ftrt.agents.events import EventLog, open_event_file
+from ftrt.agents.rendezvous.decide import RendezvousConfig
+from ftrt.agents.ops.events import EventLog, open_event_file
 from ftrt.agents.inbox import Inbox
-from ftrt.agents.membership import Membership
-from ftrt.agents.peers import MONITORED_PEERS, PeerMonitor
-from ftrt.agents.probes import Probes
-from ftrt.agents.rendezvous import Rendezvous
-from ftrt.agents.replicator import Replicator
-from ftrt.agents.service import bind_server
+from ftrt.agents.rendezvous.membership import Membership
+from ftrt.agents.peers.monitor import MONITORED_PEERS, PeerMonitor
+from ftrt.agents.ops.probes import Probes
+from ftrt.agents.rendezvous.rendezvous import Rendezvous
+from ftrt.agents.peers.replicator import Replicator
+from ftrt.agents.peers.service import bind_server
 from ftrt.agents.states import AgentState
-from ftrt.agents.telemetry import Metrics, metrics_for
-from ftrt.agents.tls import PeerChannels
+from ftrt.agents.ops.telemetry import Metrics, metrics_for
+from ftrt.agents.peers.tls import PeerChannels
 from ftrt.agents.workers.early import EarlyStart
 from ftrt.agents.workers.fence import FenceWriter
 from ftrt.agents.workers.pool import Worker, WorkerPool
@@ -112,7 +112,7 @@ class AgentParts:
 async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store: Store | None = None,
                    stack: contextlib.AsyncExitStack) -> tuple[AgentParts, grpc.aio.Server]:
     """Build an agent's parts: connect to etcd, read the job's token, adopt the early spares, bind the
-    gRPC server (returned, to :func:`~ftrt.agents.service.serve` once the agent exists), and wire the
+    gRPC server (returned, to :func:`~ftrt.agents.peers.service.serve` once the agent exists), and wire the
     pool, rendezvous and peer monitor to one another. Whatever was built is registered on ``stack``
     as it is built, so a failed step leaves nothing behind."""
     node = NodeState()
@@ -197,7 +197,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
                           cfg.peer_check_interval, channels)
     stack.push_async_callback(monitor.close)
     if cfg.metrics_port is not None:
-        from ftrt.agents.metrics import serve as serve_metrics
+        from ftrt.agents.ops.metrics import serve as serve_metrics
 
         metrics_server, mport = serve_metrics(metrics, host, cfg.metrics_port)
         stack.callback(metrics_server.server_close)

@@ -1,6 +1,6 @@
 """Rendezvous at scale: 16, 64 and 256 simulated nodes, ftrt on etcd beside torchrun's c10d.
 
-ftrt: the nodes are :mod:`ftrt.agents.sim` nodes (the agent's real lease, registration and
+ftrt: the nodes are :mod:`ftrt.agents.ops.sim` nodes (the agent's real lease, registration and
 rendezvous code, each node on its own etcd client, stand-in workers), spread over a few
 processes, against one local etcd. Every node is connected first; then all register at once.
 Measured:
@@ -171,7 +171,7 @@ def run_ftrt(n: int, procs: int, endpoint: str, cap: float, lease_ttl: float = 5
     job = f"scale{n}-{int(time.time() * 1000) % 10 ** 8}"
     events: queue.Queue = queue.Queue()
     slices = _slices(n, procs)
-    ps = [Proc([sys.executable, "-m", "ftrt.agents.sim", "--etcd", endpoint, "--job-id", job, "--nodes", f"{lo}:{hi}",
+    ps = [Proc([sys.executable, "-m", "ftrt.agents.ops.sim", "--etcd", endpoint, "--job-id", job, "--nodes", f"{lo}:{hi}",
                 "--max-nodes", str(n), "--lease-ttl", str(lease_ttl)], events) for lo, hi in slices]
     if pin:  # etcd keeps the first core to itself (see main); the simulated nodes share the rest
         for p in ps:

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from ftrt.chaos.local import LocalNode, StepLog, spares_warm, wait_until
-from ftrt.agents.tls import AgentTls
+from ftrt.agents.peers.tls import AgentTls
 from ftrt.store.certs import tls_dir
 from ftrt.store.etcd_server import EtcdServer, free_port
 

@@ -218,7 +218,7 @@ class AgentLink:
         """The agent's answer to ``Status`` (None: not registered yet, or no answer within ``timeout``)."""
         import grpc
 
-        from ftrt.agents.service import status
+        from ftrt.agents.peers.service import status
 
         if await self.find(timeout) is None:
             return None
@@ -298,7 +298,7 @@ def worker_pids(etcd: str, job_id: str) -> dict[int, int]:
     """Global rank -> pid of every running worker of the job, as its agents report them."""
     import asyncio
 
-    from ftrt.agents.status import collect_status
+    from ftrt.agents.ops.status import collect_status
 
     st = asyncio.run(collect_status(etcd, job_id, events=0))
     return {w["rank"]: w["pid"] for ws in st["workers"].values() for w in ws

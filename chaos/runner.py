@@ -108,7 +108,7 @@ class ChaosRun:
         """The agents' mutual TLS for this run (one certificate for all, from the run's CA), or None."""
         if not self.sc.cluster.agent_tls:
             return None
-        from ftrt.agents.tls import AgentTls
+        from ftrt.agents.peers.tls import AgentTls
         from ftrt.store.certs import tls_dir
 
         files = tls_dir(self.work / "tls")

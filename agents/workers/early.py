@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ftrt import _diag, envnames, roundendfile
 from ftrt.agents.workers.fence import FenceWriter
-from ftrt.agents.replicator import make_mem_dir
+from ftrt.agents.peers.replicator import make_mem_dir
 from ftrt.agents.workers.procs import Spawned, spawn_bootstrap
 from ftrt.agents.workers.template import spawn_template
 

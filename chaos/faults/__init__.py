@@ -44,7 +44,7 @@ class Context:
     def node_index(node_id: str) -> int:
         return int(node_id.removeprefix("node"))
 
-    agent_tls: Any = None  # ftrt.agents.tls.AgentTls when agents speak mutual TLS
+    agent_tls: Any = None  # ftrt.agents.peers.tls.AgentTls when agents speak mutual TLS
     rollouts: Any = None  # ftrt.chaos.faults.rollout.RolloutServers when the job has a rollout fleet
 
     def status_access(self) -> dict:

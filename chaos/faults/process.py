@@ -13,7 +13,7 @@ from ftrt.chaos.faults import Context, Injected
 
 def _worker_of(ctx: Context, target: str) -> tuple[str, int, int]:
     """(node, rank, pid) of a running worker on ``target`` (``random``: on a node that has one)."""
-    from ftrt.agents.status import collect_status
+    from ftrt.agents.ops.status import collect_status
 
     st = asyncio.run(collect_status(ctx.etcd_endpoints, ctx.job_id, events=0, **ctx.status_access()))
     running = {n: [w for w in ws if w.get("state") == "running" and w.get("pid") and w.get("rank", -1) >= 0]

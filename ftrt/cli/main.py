@@ -27,13 +27,13 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_status(args: argparse.Namespace, rest: list[str]) -> int:
-    from ftrt.agents.status import status_main
+    from ftrt.agents.ops.status import status_main
 
     return status_main(rest)
 
 
 def _cmd_drain(args: argparse.Namespace, rest: list[str]) -> int:
-    from ftrt.agents.drain import drain_main
+    from ftrt.agents.ops.drain import drain_main
 
     return drain_main(rest)
 

@@ -3,7 +3,7 @@
 
 Both work on any :class:`~ftrt.store.api.Store` under a key prefix the caller chooses; nothing here
 knows about jobs. Agents use them for their membership and for choosing the job's decider
-(:mod:`ftrt.agents.membership`, :mod:`ftrt.agents.rendezvous`), rollout servers for their
+(:mod:`ftrt.agents.rendezvous.membership`, :mod:`ftrt.agents.rendezvous.rendezvous`), rollout servers for their
 registration (:mod:`ftrt.rollout.server`).
 
 Session

@@ -14,7 +14,7 @@ import grpc.aio
 import pytest
 
 from ftrt.auth import JobToken
-from ftrt.agents.tls import AgentTls
+from ftrt.agents.peers.tls import AgentTls
 from ftrt.errors import ConfigError
 from ftrt.store.certs import tls_dir
 from ftrt.v1 import agent_pb2, agent_pb2_grpc

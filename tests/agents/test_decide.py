@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ftrt.agents.decide import Action, RendezvousConfig, View, decide_round
+from ftrt.agents.rendezvous.decide import Action, RendezvousConfig, View, decide_round
 from ftrt.records import JobState, Member, NodeRecord, RestartRequest, RoundRecord
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrt.agents.drain import request_drain
+from ftrt.agents.ops.drain import request_drain
 from tests.agents.harness import FAST_WARM, Node, wait_until
 from tests.checkpoint.test_pointer import latest_record
 

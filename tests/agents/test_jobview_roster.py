@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ftrt.agents.jobview import JobView
+from ftrt.agents.rendezvous.jobview import JobView
 from ftrt.jobkeys import JobKeys
 from ftrt.records import Member, RoundRecord, encode
 from ftrt.roster import LocalRound, group_of, plan_write
@@ -53,7 +53,7 @@ class Errors(logging.Handler):
 
 async def test_a_damaged_shard_is_refused_and_the_next_round_is_taken(etcd_endpoint, job_id):
     errors = Errors()
-    logging.getLogger("ftrt.agents.jobview").addHandler(errors)
+    logging.getLogger("ftrt.agents.rendezvous.jobview").addHandler(errors)
     keys = JobKeys(job_id)
     store = EtcdStore(etcd_endpoint)
     me = "n0"
@@ -82,7 +82,7 @@ async def test_a_damaged_shard_is_refused_and_the_next_round_is_taken(etcd_endpo
         assert await until(lambda: view.view.round is not None and view.view.round.round == 4)
         assert view.view.round.rank_offset(me) == good.rank_offset(me)
     finally:
-        logging.getLogger("ftrt.agents.jobview").removeHandler(errors)
+        logging.getLogger("ftrt.agents.rendezvous.jobview").removeHandler(errors)
         await view.close()
         await store.close()
 

@@ -13,7 +13,7 @@ import pytest
 
 import logging
 
-from ftrt.agents.membership import Membership
+from ftrt.agents.rendezvous.membership import Membership
 from ftrt.errors import LeaseLost, NodeIdConflict
 from ftrt.jobkeys import JobKeys
 from ftrt.store.etcd import EtcdStore

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from ftrt import reports
-from ftrt.agents.metrics import AgentMetrics, restart_reason, serve
+from ftrt.agents.ops.metrics import AgentMetrics, restart_reason, serve
 
 
 def wire(m, message: dict) -> None:

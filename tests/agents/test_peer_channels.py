@@ -1,4 +1,4 @@
-"""Channels to peer agents are kept and dialled ahead (agents/tls.py PeerChannels): a channel
+"""Channels to peer agents are kept and dialled ahead (agents/peers/tls.py PeerChannels): a channel
 dialled before it is needed has finished its mutual-TLS handshake when the first call comes, the
 liveness streams and the replication links share one per peer, and channels nobody keeps close."""
 
@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import grpc.aio
 
-from ftrt.agents.tls import AgentTls, PeerChannels
+from ftrt.agents.peers.tls import AgentTls, PeerChannels
 from ftrt.store.certs import tls_dir
 
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ftrt.agents.probes import LIVENESS, judge
+from ftrt.agents.ops.probes import LIVENESS, judge
 from ftrt.agents.states import AgentState
 from tests.agents.harness import Node, Progress, ddp_args, wait_until
 

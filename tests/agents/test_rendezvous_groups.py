@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from ftrt.agents.decide import RendezvousConfig
-from ftrt.agents.sim import SimNode
+from ftrt.agents.rendezvous.decide import RendezvousConfig
+from ftrt.agents.ops.sim import SimNode
 from ftrt.jobkeys import JobKeys
 from ftrt.roster import group_of, groups_for, load_round
 from ftrt.store.etcd import EtcdStore

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from ftrt.agents.decide import RendezvousConfig
-from ftrt.agents.rendezvous import Rendezvous
+from ftrt.agents.rendezvous.decide import RendezvousConfig
+from ftrt.agents.rendezvous.rendezvous import Rendezvous
 from ftrt.jobkeys import JobKeys
 from ftrt.store.etcd import EtcdStore
 

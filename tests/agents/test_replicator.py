@@ -10,8 +10,8 @@ import grpc.aio
 import torch
 
 from ftrt.auth import JobToken
-from ftrt.agents.replicator import Replicator
-from ftrt.agents.service import AgentServicer
+from ftrt.agents.peers.replicator import Replicator
+from ftrt.agents.peers.service import AgentServicer
 from ftrt.checkpoint.memindex import IndexEntry
 from ftrt.checkpoint.memtier import Arena
 from ftrt.v1 import agent_pb2_grpc

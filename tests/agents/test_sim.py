@@ -1,4 +1,4 @@
-"""Simulation mode (ftrt.agents.sim) on a real etcd: many simulated agents agree, shrink (also when
+"""Simulation mode (ftrt.agents.ops.sim) on a real etcd: many simulated agents agree, shrink (also when
 the decider is the node lost), and the rendezvous bench's counters and process protocol work end
 to end at a small size."""
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from ftrt.agents.decide import RendezvousConfig
-from ftrt.agents.sim import SimNode
+from ftrt.agents.rendezvous.decide import RendezvousConfig
+from ftrt.agents.ops.sim import SimNode
 
 
 def test_sim_nodes_agree_on_one_round_and_shrink_when_one_dies(etcd_endpoint, job_id):

@@ -13,7 +13,7 @@ from tests.agents.harness import FAST_WARM, ddp_args
 def test_spares_warm_asks_the_agent_where_it_registered(tmp_path, etcd_endpoint, job_id, agent_tls):
     tls = []
     if agent_tls:
-        from ftrt.agents.tls import AgentTls
+        from ftrt.agents.peers.tls import AgentTls
         from ftrt.store.certs import tls_dir
 
         files = tls_dir(tmp_path / "tls")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ftrt.auth import JobToken
-from ftrt.agents.service import AgentServicer
+from ftrt.agents.peers.service import AgentServicer
 from ftrt.checkpoint import Checkpointer, memtier, skeleton
 from ftrt.checkpoint.memindex import BadIndex, check_index
 from ftrt.checkpoint.storage import step_dir

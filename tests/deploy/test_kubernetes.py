@@ -22,7 +22,7 @@ pytest.importorskip("kubernetes", reason="the kubernetes client is in the test e
 from kubernetes.client import ApiClient  # noqa: E402
 
 from ftrt.agents.cli import build_parser, config_from_namespace  # noqa: E402
-from ftrt.agents.probes import LIVENESS  # noqa: E402
+from ftrt.agents.ops.probes import LIVENESS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 MODELS = {("v1", "Service"): "V1Service", ("v1", "ConfigMap"): "V1ConfigMap",

@@ -1,6 +1,6 @@
 """The decider: while this agent leads the election, it turns the job view into rounds.
 
-It runs :func:`~ftrt.agents.decide.decide_round` on the :class:`~ftrt.agents.jobview.JobView` (which
+It runs :func:`~ftrt.agents.rendezvous.decide.decide_round` on the :class:`~ftrt.agents.rendezvous.jobview.JobView` (which
 then follows every node record) and carries out the decision:
 
 - ``WRITE_ROUND``: a transaction that succeeds only if the round key is unchanged since the view
@@ -17,9 +17,9 @@ import logging
 import time
 from typing import Callable
 
-from ftrt.agents.decide import Action, RendezvousConfig, decide_round
+from ftrt.agents.rendezvous.decide import Action, RendezvousConfig, decide_round
 from ftrt.store.concurrency import Election
-from ftrt.agents.jobview import JobView
+from ftrt.agents.rendezvous.jobview import JobView
 from ftrt.records import JobState, RoundRecord, encode
 from ftrt.roster import LocalRound, groups_for, plan_write
 from ftrt.store.api import Compare, Delete, Put, Store, WatchEvent

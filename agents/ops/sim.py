@@ -2,13 +2,13 @@
 
 For measuring the rendezvous at hundreds of nodes on one machine. A :class:`SimNode` runs the
 real agent stack that decides rounds: its own etcd client, a :class:`~ftrt.store.concurrency.Session`
-(lease and keep-alive), :func:`~ftrt.agents.membership.register`, a
-:class:`~ftrt.agents.rendezvous.Rendezvous` (watch, pure decision, fenced compare-and-swap round
+(lease and keep-alive), :func:`~ftrt.agents.rendezvous.membership.register`, a
+:class:`~ftrt.agents.rendezvous.rendezvous.Rendezvous` (watch, pure decision, fenced compare-and-swap round
 writes). What it leaves out is everything per machine: worker processes (a :class:`StandInWorkers`
 only records the ranks a round gives the node), the gRPC service and peer monitoring. A node's
 death is simulated the way a peer's agent reacts to one, by revoking its lease.
 
-Run as ``python -m ftrt.agents.sim --etcd HOST:PORT --job-id J --nodes 0:64 --max-nodes 256``: it
+Run as ``python -m ftrt.agents.ops.sim --etcd HOST:PORT --job-id J --nodes 0:64 --max-nodes 256``: it
 connects every node's client, prints ``{"event": "connected"}`` and then reads commands on
 stdin, one per line: ``join`` (every node registers at once and runs its rendezvous), ``kill
 NODE_ID`` (revoke that node's lease and stop it), ``kill-decider`` (the same for the job's decider,
@@ -28,12 +28,12 @@ import sys
 import time
 import uuid
 
-from ftrt.agents.decide import RendezvousConfig
+from ftrt.agents.rendezvous.decide import RendezvousConfig
 from ftrt.jobkeys import JobKeys
-from ftrt.agents.membership import register
+from ftrt.agents.rendezvous.membership import register
 from ftrt.records import NodeRecord
 from ftrt.roster import LocalRound
-from ftrt.agents.rendezvous import Rendezvous
+from ftrt.agents.rendezvous.rendezvous import Rendezvous
 from ftrt.store.concurrency import Session
 from ftrt.store.etcd import EtcdStore
 
@@ -141,7 +141,7 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ftrt.agents.sim", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ftrt.agents.ops.sim", description=__doc__.splitlines()[0])
     p.add_argument("--etcd", required=True)
     p.add_argument("--job-id", required=True)
     p.add_argument("--nodes", required=True, help="LO:HI: simulate nodes simLO..sim(HI-1)")

@@ -8,7 +8,7 @@ from typing import Callable, Protocol
 
 
 class Metrics(Protocol):
-    """What the agent tells its metrics (see :class:`ftrt.agents.metrics.AgentMetrics`)."""
+    """What the agent tells its metrics (see :class:`ftrt.agents.ops.metrics.AgentMetrics`)."""
 
     def fault(self, kind: str) -> None: ...
 
@@ -41,6 +41,6 @@ def metrics_for(enabled: bool, node_id: str, *, etcd_errors: Callable[[], int],
                 replicas: Callable[[], dict[int, int] | None]) -> Metrics:
     if not enabled:
         return NoMetrics()
-    from ftrt.agents.metrics import AgentMetrics
+    from ftrt.agents.ops.metrics import AgentMetrics
 
     return AgentMetrics(node_id, etcd_errors=etcd_errors, replicas=replicas)

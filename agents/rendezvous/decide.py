@@ -1,7 +1,7 @@
 """The rendezvous decision, as a pure function of (now, view, config).
 
 The job's decider (one agent, elected through a key under its lease; see
-:mod:`ftrt.agents.rendezvous`) runs :func:`decide_round` on its view of etcd and writes the
+:mod:`ftrt.agents.rendezvous.rendezvous`) runs :func:`decide_round` on its view of etcd and writes the
 proposed round by compare-and-swap; the others see the round in their watch and agree. The function
 never performs I/O and gets time as an argument, so every rule below has a unit test with a fake
 clock (``tests/agents/test_decide.py``).

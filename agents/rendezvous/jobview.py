@@ -4,7 +4,7 @@ Every agent watches ``/ftrt/<job>/rdzv/``: the round, restart requests, master r
 terminal state and the decider record. That is O(1) keys, so a join of N nodes costs each agent
 O(1) watch events, not O(N). The node records (``/ftrt/<job>/nodes/``) are read and watched only
 while this agent decides (:meth:`JobView.watch_nodes`). Each change is folded into a
-:class:`~ftrt.agents.decide.View`, stamped with local times where membership moved, and reported
+:class:`~ftrt.agents.rendezvous.decide.View`, stamped with local times where membership moved, and reported
 through ``on_change``.
 
 The round key holds only the round's header (:mod:`ftrt.roster`); a new header becomes the view's
@@ -19,7 +19,7 @@ import asyncio
 import logging
 from typing import Callable
 
-from ftrt.agents.decide import View
+from ftrt.agents.rendezvous.decide import View
 from ftrt.jobkeys import JobKeys
 from ftrt.records import (DeciderRecord, DrainRequest, JobState, MasterRecord, Member, NodeRecord, RestartRequest,
                           RoundHeader, decode)

@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 
 from ftrt.auth import JobToken, require_token
-from ftrt.agents.tls import PLAINTEXT, AgentTls
+from ftrt.agents.peers.tls import PLAINTEXT, AgentTls
 from ftrt.agents.workers.pool import Worker
 from ftrt.roster import LocalRound
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
@@ -103,7 +103,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
 
     async def PutReplica(self, request_iterator, context):
-        from ftrt.agents.replicator import receive_replica
+        from ftrt.agents.peers.replicator import receive_replica
 
         await self._authorize(context)
         try:

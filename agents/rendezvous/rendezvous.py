@@ -3,12 +3,12 @@ decider, and the writes every agent makes fenced by the round.
 
 Three parts, each in its own module:
 
-- :class:`~ftrt.agents.jobview.JobView`: the job's rendezvous keys as this agent sees them (and
+- :class:`~ftrt.agents.rendezvous.jobview.JobView`: the job's rendezvous keys as this agent sees them (and
   the node records while it decides);
 - :class:`~ftrt.store.concurrency.Election`: each agent is a candidate under its lease; the first in
   the queue decides, and when it dies only its successor is woken;
-- :class:`~ftrt.agents.decider.Decider`: while this agent leads, it applies
-  :func:`~ftrt.agents.decide.decide_round` and writes rounds fenced by the election.
+- :class:`~ftrt.agents.rendezvous.decider.Decider`: while this agent leads, it applies
+  :func:`~ftrt.agents.rendezvous.decide.decide_round` and writes rounds fenced by the election.
 
 :class:`Rendezvous` runs them: one loop keeps the candidacy in step with the agent's lease (a
 rejoin after a lost lease is a new candidacy), takes office when the campaign is won (announces
@@ -24,10 +24,10 @@ import logging
 import time
 from typing import Callable
 
-from ftrt.agents.decide import RendezvousConfig, View
-from ftrt.agents.decider import Decider
+from ftrt.agents.rendezvous.decide import RendezvousConfig, View
+from ftrt.agents.rendezvous.decider import Decider
 from ftrt.store.concurrency import Election
-from ftrt.agents.jobview import JobView
+from ftrt.agents.rendezvous.jobview import JobView
 from ftrt.jobkeys import JobKeys
 from ftrt.records import DeciderRecord, MasterRecord, RestartRequest, encode
 from ftrt.roster import LocalRound

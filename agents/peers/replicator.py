@@ -35,7 +35,7 @@ import grpc.aio
 
 from ftrt.auth import JobToken
 from ftrt.jobkeys import check_id
-from ftrt.agents.tls import PLAINTEXT, PeerChannels
+from ftrt.agents.peers.tls import PLAINTEXT, PeerChannels
 from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
 from ftrt.checkpoint.memindex import check_index
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
@@ -180,7 +180,7 @@ class _PeerLink:
         self.last_sent: dict[int, int] = {}
         self._channel = owner.channels.get(peer)
         """The channel to the peer, kept across sends (a new one per send cost milliseconds) and
-        owned by :class:`~ftrt.agents.tls.PeerChannels`."""
+        owned by :class:`~ftrt.agents.peers.tls.PeerChannels`."""
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"replicate-to-{peer}")
 
     def notify_all(self) -> None:

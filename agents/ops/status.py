@@ -14,13 +14,13 @@ import dataclasses
 import json
 import time
 
-from ftrt.agents.events import recent_events
+from ftrt.agents.ops.events import recent_events
 from ftrt.errors import FtrtError
 from ftrt.jobkeys import JobKeys, check_id
 from ftrt.records import DeciderRecord, JobState, NodeRecord, RoundRecord, decode
 from ftrt.roster import load_round
-from ftrt.agents import tls as tls_flags
-from ftrt.agents.tls import PLAINTEXT, AgentTls
+from ftrt.agents.peers import tls as tls_flags
+from ftrt.agents.peers.tls import PLAINTEXT, AgentTls
 from ftrt.store import access as etcd_access
 from ftrt.store.access import EtcdAccess
 from ftrt.store.api import Get
@@ -95,7 +95,7 @@ async def _rollout_servers(store: EtcdStore, keys: JobKeys) -> list[dict]:
 
 
 async def _agent_workers(nodes: list[NodeRecord], tls: AgentTls) -> dict[str, list[dict]]:
-    from ftrt.agents.service import status
+    from ftrt.agents.peers.service import status
 
     async def one(node: NodeRecord):
         try:

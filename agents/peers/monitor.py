@@ -17,8 +17,8 @@ from typing import Awaitable, Callable
 import grpc
 import grpc.aio
 
-from ftrt.agents.membership import tcp_refused
-from ftrt.agents.tls import PLAINTEXT, PeerChannels
+from ftrt.agents.rendezvous.membership import tcp_refused
+from ftrt.agents.peers.tls import PLAINTEXT, PeerChannels
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
