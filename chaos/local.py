@@ -40,6 +40,17 @@ def wait_until(pred: Callable[[], object], timeout: float, what: str, interval: 
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+async def until(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
+    """:func:`wait_until` for coroutines: poll ``pred`` without blocking the event loop."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
 class LocalNode:
     """One agent (``python -m ftrt.cli.main launch ...``) and its workers."""
 

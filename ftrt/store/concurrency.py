@@ -182,8 +182,8 @@ class Election:
 
     async def campaign(self) -> None:
         """Take the slot (waiting while another agent holds it), then return when every slot
-        holder ahead has gone. Raises :class:`~ftrt.errors.LeaseLost` if the lease is gone,
-        StoreError on etcd failures."""
+        holder ahead has gone and this candidacy's key is still there. Raises
+        :class:`~ftrt.errors.LeaseLost` if the lease is gone, StoreError on etcd failures."""
         while not self.create_revision:
             res = await self.store.txn([Compare.absent(self.key)], [Put(self.key, self.value, lease=self.lease_id)],
                                        [Get(self.key)])
@@ -196,6 +196,8 @@ class Election:
         while True:
             ahead, revision = await self.store.last_created(self.prefix, self.create_revision - 1)
             if ahead is None:
+                if not await self.still_leads():  # first in a queue it has left: its lease went meanwhile
+                    raise LeaseLost(f"The candidacy's key {self.key} is gone (its lease expired or was revoked).")
                 self.leader = True
                 return
             await self._wait_deleted(ahead.key, revision + 1)

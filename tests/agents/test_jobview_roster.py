@@ -5,9 +5,9 @@ newcomers."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
+from ftrt.chaos.local import until
 from ftrt.agents.rendezvous.jobview import JobView
 from ftrt.jobkeys import JobKeys
 from ftrt.records import Member, RoundRecord, encode
@@ -27,14 +27,6 @@ async def write(store: EtcdStore, keys: JobKeys, rec: RoundRecord, prev: LocalRo
     res = await store.txn([], list(plan.ops))
     assert res.succeeded
     return LocalRound(plan.header, encode(plan.header), plan.shards)
-
-
-async def until(pred, timeout: float = 10.0) -> bool:
-    for _ in range(int(timeout / 0.05)):
-        if pred():
-            return True
-        await asyncio.sleep(0.05)
-    return False
 
 
 class Errors(logging.Handler):
@@ -71,15 +63,15 @@ async def test_a_damaged_shard_is_refused_and_the_next_round_is_taken(etcd_endpo
         ops = [Put(op.key, b'{"members": [["n0", "inc"]]}') if isinstance(op, Put)
                and op.key == keys.roster_shard(mine, 2) else op for op in r2.ops]
         assert (await store.txn([], ops)).succeeded
-        assert await until(lambda: errors.saw("damaged"))
+        await until(lambda: errors.saw("damaged"), 10, "the damaged shard refused")
         assert view.view.round.round == 1  # not taken: my ranks cannot be known from it
         # An old ftrt's round record at the round key: refused, named as such.
         await store.put(keys.round, encode(RoundRecord(3, ms)))
-        assert await until(lambda: errors.saw("without member groups"))
+        await until(lambda: errors.saw("without member groups"), 10, "the header without groups refused")
         assert view.view.round.round == 1
         # The watch lives on: the next good round (every group written anew) is taken.
         good = await write(store, keys, RoundRecord(4, ms, faults=1), None)
-        assert await until(lambda: view.view.round is not None and view.view.round.round == 4)
+        await until(lambda: view.view.round is not None and view.view.round.round == 4, 10, "round 4 in the view")
         assert view.view.round.rank_offset(me) == good.rank_offset(me)
     finally:
         logging.getLogger("ftrt.agents.rendezvous.jobview").removeHandler(errors)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from ftrt.chaos.local import until
 from ftrt.agents.rendezvous.decide import RendezvousConfig
 from ftrt.agents.ops.sim import SimNode
 from ftrt.jobkeys import JobKeys
@@ -14,14 +15,6 @@ from ftrt.store.etcd import EtcdStore
 
 N = 24
 CFG = RendezvousConfig(min_nodes=1, max_nodes=200, settle_s=0.05, join_settle_s=0.2, first_round_wait_s=0.3)
-
-
-async def until(pred, timeout: float = 20.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if pred():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not reached in time")
 
 
 async def test_grouped_rounds_give_every_rank_once_and_a_loss_rewrites_one_group(etcd_endpoint, job_id):
@@ -38,7 +31,7 @@ async def test_grouped_rounds_give_every_rank_once_and_a_loss_rewrites_one_group
             return all((r := n.rdzv.view.round) is not None and r.active and r.world_size == world
                        for n in alive.values())
 
-        await until(lambda: held(N))
+        await until(lambda: held(N), 20, f"{N} nodes holding their ranks")
         whole = await load_round(store, keys)
         assert whole is not None and whole.node_count == N
         ids = whole.node_ids
@@ -55,7 +48,7 @@ async def test_grouped_rounds_give_every_rank_once_and_a_loss_rewrites_one_group
         victim = ids[N // 2]
         before = {g: ref.shard for g, ref in enumerate(whole.header.groups)}
         await alive.pop(victim).die()
-        await until(lambda: held(N - 1))
+        await until(lambda: held(N - 1), 20, f"{N - 1} nodes holding their ranks")
         after = await load_round(store, keys)
         changed = {g for g, ref in enumerate(after.header.groups) if ref.shard != before[g]}
         assert changed == {group_of(victim, groups)}

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from ftrt.chaos.local import until
 from ftrt.agents.rendezvous.decide import RendezvousConfig
 from ftrt.agents.ops.sim import SimNode
 
@@ -21,19 +22,13 @@ def test_sim_nodes_agree_on_one_round_and_shrink_when_one_dies(etcd_endpoint, jo
         await asyncio.gather(*(n.connect() for n in nodes))
         await asyncio.gather(*(n.join() for n in nodes))
 
-        async def until(pred, timeout=20.0):
-            deadline = asyncio.get_running_loop().time() + timeout
-            while not pred():
-                assert asyncio.get_running_loop().time() < deadline, events[-5:]
-                await asyncio.sleep(0.05)
-
         full = lambda: [e for e in events if e["event"] == "round" and e["world"] == 12]  # noqa: E731
-        await until(lambda: len(full()) == 12)
+        await until(lambda: len(full()) == 12, 20, "12 nodes in one round")
         assert sorted(r for e in full() for r in e["ranks"]) == list(range(12))
         assert len({e["round"] for e in full()}) == 1
         await nodes[5].die()
         shrunk = lambda: [e for e in events if e["event"] == "round" and e["world"] == 11]  # noqa: E731
-        await until(lambda: len(shrunk()) == 11)
+        await until(lambda: len(shrunk()) == 11, 20, "the round of 11")
         assert "sim5" not in {e["node"] for e in shrunk()}
         assert sorted(r for e in shrunk() for r in e["ranks"]) == list(range(11))
         # Exactly one node decides; only it holds the node records.
@@ -46,10 +41,10 @@ def test_sim_nodes_agree_on_one_round_and_shrink_when_one_dies(etcd_endpoint, jo
         assert not lost.rdzv.deciding, "a closed rendezvous still counted itself the decider"
         alive = [n for n in nodes if n is not lost and n is not nodes[5]]
         again = lambda: [e for e in events if e["event"] == "round" and e["world"] == 10]  # noqa: E731
-        await until(lambda: len(again()) == 10)
+        await until(lambda: len(again()) == 10, 20, "the round of 10")
         assert lost.node_id not in {e["node"] for e in again()}
         assert sorted(r for e in again() for r in e["ranks"]) == list(range(10))
-        await until(lambda: sum(n.rdzv.deciding for n in alive) == 1)
+        await until(lambda: sum(n.rdzv.deciding for n in alive) == 1, 20, "one decider")
         await asyncio.gather(*(n.die() for n in alive))
 
     asyncio.run(go())

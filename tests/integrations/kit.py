@@ -19,6 +19,22 @@ BOTH_IN_ROUND_1 = ("--first-round-wait", "120")
 """Launch flags for a job of ``--nnodes 1:2`` whose first round waits for its second node."""
 
 
+def reference_run(tmp_path_factory, etcd: str, name: str, args: Callable[[Path, str, str], list[str]],
+                  losses: Callable[[Path], dict], steps: int) -> tuple[Path, dict]:
+    """The uninterrupted run a trainer's fault tests compare with: one node ``ref`` of job
+    ``<name>-ref`` launched with ``args(folder, etcd, job_id)``; its folder and its losses by step
+    (``losses(folder / "ref.jsonl")``), checked to cover steps 1 to ``steps``."""
+    tmp = tmp_path_factory.mktemp(f"{name}-ref")
+    node = Node(tmp, "ref", args(tmp, etcd, f"{name}-ref")).start()
+    try:
+        assert node.wait(240) == 0, node.log()[-3000:]
+    finally:
+        node.cleanup()
+    got = losses(tmp / "ref.jsonl")
+    assert sorted(got) == list(range(1, steps + 1))
+    return tmp, got
+
+
 def two_nodes(tmp: Path, args: list[str], ready: Callable[[], object], what: str,
               fault: Callable[[dict[str, Node]], None]) -> dict[str, Node]:
     """Nodes ``a`` and ``b`` run one job; once ``ready()`` holds, ``fault(nodes)`` acts on them and

@@ -20,7 +20,7 @@ pytest.importorskip("accelerate", reason="the Trainer needs accelerate (in the t
 
 from ftrt.chaos.local import worker_pids  # noqa: E402
 from tests.agents.harness import FAST_WARM, Node, wait_until  # noqa: E402
-from tests.integrations.kit import BOTH_IN_ROUND_1, drain_b, kill_b, two_nodes  # noqa: E402
+from tests.integrations.kit import BOTH_IN_ROUND_1, drain_b, kill_b, reference_run, two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -82,14 +82,8 @@ def _keep_checkpoints_up_to(out: Path, copy: Path, step: int) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, etcd_server):
-    tmp = tmp_path_factory.mktemp("hf-ref")
-    node = Node(tmp, "ref", _job(tmp, "ref", etcd_server.endpoint, "hf-ref")).start()
-    try:
-        assert node.wait(240) == 0, node.log()[-3000:]
-    finally:
-        node.cleanup()
-    got = _losses(tmp / "ref.jsonl")
-    assert sorted(got) == list(range(1, STEPS + 1))
+    tmp, got = reference_run(tmp_path_factory, etcd_server.endpoint, "hf",
+                             lambda tmp, etcd, job: _job(tmp, "ref", etcd, job), _losses, STEPS)
     return got, tmp / "ref-out", _trained(tmp / "ref-ledger.jsonl")
 
 

@@ -22,7 +22,7 @@ from ftrt.chaos.local import worker_pids  # noqa: E402
 from ftrt.data import ElasticSampler  # noqa: E402
 from ftrt.examples.lightning_steps import GLOBAL_BATCH, SAMPLES  # noqa: E402
 from tests.agents.harness import FAST_WARM, Node, wait_until  # noqa: E402
-from tests.integrations.kit import BOTH_IN_ROUND_1, drain_b, kill_b, two_nodes  # noqa: E402
+from tests.integrations.kit import BOTH_IN_ROUND_1, drain_b, kill_b, reference_run, two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -58,14 +58,8 @@ def _alone(out: Path, metrics: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, etcd_server):
-    tmp = tmp_path_factory.mktemp("lightning-ref")
-    node = Node(tmp, "ref", _job(tmp, "ref", etcd_server.endpoint, "lightning-ref")).start()
-    try:
-        assert node.wait(240) == 0, node.log()[-3000:]
-    finally:
-        node.cleanup()
-    got = _losses(tmp / "ref.jsonl")
-    assert sorted(got) == list(range(1, STEPS + 1))
+    tmp, got = reference_run(tmp_path_factory, etcd_server.endpoint, "lightning",
+                             lambda tmp, etcd, job: _job(tmp, "ref", etcd, job), _losses, STEPS)
     return got, tmp / "ref-out"
 
 

@@ -16,7 +16,7 @@ pytest.importorskip("trl", reason="the trl extra is not installed")
 
 from ftrt.chaos.local import worker_pids  # noqa: E402
 from tests.agents.harness import FAST_WARM, Node, wait_until  # noqa: E402
-from tests.integrations.kit import BOTH_IN_ROUND_1, kill_b, two_nodes  # noqa: E402
+from tests.integrations.kit import BOTH_IN_ROUND_1, kill_b, reference_run, two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -59,14 +59,8 @@ def _generations(path: Path) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, etcd_server):
-    tmp = tmp_path_factory.mktemp("trl-ref")
-    node = Node(tmp, "ref", _job(tmp, "ref", etcd_server.endpoint, "trl-ref")).start()
-    try:
-        assert node.wait(240) == 0, node.log()[-3000:]
-    finally:
-        node.cleanup()
-    got = _losses(tmp / "ref.jsonl")
-    assert sorted(got) == list(range(1, STEPS + 1))
+    _, got = reference_run(tmp_path_factory, etcd_server.endpoint, "trl",
+                           lambda tmp, etcd, job: _job(tmp, "ref", etcd, job), _losses, STEPS)
     return got
 
 
