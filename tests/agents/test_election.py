@@ -1,5 +1,6 @@
 """The decider election on a real etcd: one leader among slot holders, a leader's loss wakes its
-successor (and the agents waiting for its slot), and no more than SLOTS agents are candidates."""
+successor (and the agents waiting for its slot), and no more than SLOTS agents are candidates. Its
+rules alone, on the in-memory store with an injected clock: tests/store/test_concurrency.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ftrt.store.concurrency import SLOTS, Election, slot_of
 from ftrt.jobkeys import JobKeys
 from ftrt.store.api import Put
 from ftrt.store.etcd import EtcdStore
+from tests.store.test_concurrency import distinct_slots
 
 
 def _requests(endpoint: str) -> int:
@@ -18,17 +20,6 @@ def _requests(endpoint: str) -> int:
     return sum(int(float(line.rpartition(" ")[2])) for line in text.splitlines()
                if line.startswith("grpc_server_handled_total{") and 'grpc_type="unary"' in line
                and ('grpc_method="Range"' in line or 'grpc_method="Txn"' in line))
-
-
-def _ids_in_distinct_slots(n: int) -> list[str]:
-    ids, used = [], set()
-    for i in range(1000):
-        if slot_of(f"n{i}") not in used:
-            used.add(slot_of(f"n{i}"))
-            ids.append(f"n{i}")
-        if len(ids) == n:
-            return ids
-    raise AssertionError("not enough distinct slots")
 
 
 async def _settle() -> None:
@@ -40,7 +31,7 @@ async def test_slot_holders_lead_in_turn_and_a_leaders_loss_wakes_only_its_succe
     store = EtcdStore(own_etcd.endpoint, timeout=5.0)
     campaigns: list[asyncio.Task] = []
     try:
-        ids = _ids_in_distinct_slots(8)
+        ids = distinct_slots(8)
         leases = [(await store.grant_lease(30)).id for _ in ids]
         elections = [Election(store, keys.election, nid, lease, nid.encode()) for nid, lease in zip(ids, leases)]
         for e in elections:  # joined in order: the slot keys' create revisions give the queue
