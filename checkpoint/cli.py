@@ -110,13 +110,14 @@ def _act(args: argparse.Namespace, loc, key, latest: int | None) -> int:
 
 def _pointer(args: argparse.Namespace) -> int | None:
     """The step the job's ``latest`` pointer in etcd names (None: nothing committed in the job)."""
-    from ftrt.jobkeys import check_id
     from ftrt.checkpoint.pointer import LatestPointer
+    from ftrt.jobkeys import check_id
+    from ftrt.store.access import EtcdTarget
 
     if not args.job_id:
         raise ConfigError("--etcd needs --job-id: the job whose latest pointer to read.")
     check_id("job id", args.job_id)
-    ptr = LatestPointer(args.etcd, args.job_id, 0, args.url, access=etcd_access.from_args(args))
+    ptr = LatestPointer.open(EtcdTarget(args.etcd, etcd_access.from_args(args)), args.job_id, 0, args.url)
     try:
         return ptr.latest()
     finally:
