@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 from ftrt.store.access import EtcdTarget
 from ftrt.store.api import Store
+from ftrt.store.etcd import EtcdStore
 
 T = TypeVar("T")
 
@@ -26,8 +27,6 @@ class SyncStore:
     ``timeout`` bounds each etcd call; the connection opens on first use."""
 
     def __init__(self, target: EtcdTarget, *, timeout: float = 5.0, name: str = "ftrt-etcd") -> None:
-        from ftrt.store.etcd import EtcdStore
-
         self.target = target
         self.loop = asyncio.new_event_loop()
         """The loop every call runs on; coroutines that belong with the store's may run there too."""
