@@ -11,6 +11,7 @@ from ftrt.store.concurrency import SLOTS, Election, slot_of
 from ftrt.jobkeys import JobKeys
 from ftrt.store.api import Put
 from ftrt.store.etcd import EtcdStore
+from ftrt.chaos.local import until
 from tests.store.test_concurrency import distinct_slots
 
 
@@ -23,6 +24,7 @@ def _requests(endpoint: str) -> int:
 
 
 async def _settle() -> None:
+    """Time for a wrongly woken candidate to show itself (only negative checks follow it)."""
     await asyncio.sleep(0.3)
 
 
@@ -36,7 +38,8 @@ async def test_slot_holders_lead_in_turn_and_a_leaders_loss_wakes_only_its_succe
         elections = [Election(store, keys.election, nid, lease, nid.encode()) for nid, lease in zip(ids, leases)]
         for e in elections:  # joined in order: the slot keys' create revisions give the queue
             campaigns.append(asyncio.create_task(e.campaign()))
-            await asyncio.sleep(0.02)
+            await until(lambda: e.create_revision, 10, f"{e.key} taken")
+        await until(lambda: campaigns[0].done(), 10, "the first candidate to lead")
         await _settle()
         assert [c.done() for c in campaigns] == [True] + [False] * 7
         leader = elections[0]
@@ -76,14 +79,19 @@ async def test_at_most_slots_candidates_and_a_freed_slot_is_taken_by_one_waiting
         elections = [Election(store, keys.election, nid, lease, nid.encode()) for nid, lease in zip(ids, leases)]
         for e in elections:
             campaigns.append(asyncio.create_task(e.campaign()))
+        slots = len({slot_of(i) for i in ids})
+        await until(lambda: sum(bool(e.create_revision) for e in elections) == slots, 20, "every slot taken")
+        await until(lambda: any(c.done() for c in campaigns), 10, "a leader")
         await _settle()
         kvs, _ = await store.get_prefix(keys.election)
-        assert len(kvs) == len({slot_of(i) for i in ids}) <= SLOTS
+        assert len(kvs) == slots <= SLOTS
         assert sum(c.done() for c in campaigns) == 1
         leader = next(e for e, c in zip(elections, campaigns) if c.done())
         sharing = [e for e in elections if e.key == leader.key and e is not leader]
         assert sharing and all(not e.create_revision for e in sharing)  # waiting for the slot
         await store.revoke_lease(leader.lease_id)
+        await until(lambda: sum(c.done() for c in campaigns) == 2, 10, "someone to lead again")
+        await until(lambda: any(e.create_revision for e in sharing), 10, "the freed slot taken")
         await _settle()
         assert sum(bool(e.create_revision) for e in sharing) == 1  # one of them holds the slot now
         assert sum(c.done() for c in campaigns) == 2  # and someone leads again

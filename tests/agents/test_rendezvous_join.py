@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from ftrt.agents.rendezvous.decide import RendezvousConfig
+from ftrt.chaos.local import until
 from ftrt.agents.rendezvous.rendezvous import Rendezvous
 from ftrt.jobkeys import JobKeys
 from ftrt.store.etcd import EtcdStore
@@ -22,11 +23,7 @@ async def test_a_registration_that_comes_later_still_makes_a_candidate(etcd_endp
         assert not rdzv.deciding
         lease = await store.grant_lease(10)
         registration.append((lease.id, "inc-1"))  # registered: no key under rdzv/ moves
-        for _ in range(40):
-            if rdzv.deciding:
-                break
-            await asyncio.sleep(0.05)
-        assert rdzv.deciding
+        await until(lambda: rdzv.deciding, 20, "the rendezvous to campaign and decide")
     finally:
         await rdzv.close()
         await store.close()
