@@ -186,4 +186,5 @@ def test_a_warm_worker_starts_with_the_checkpointer_imported_and_its_start_can_b
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert seen == [{"checkpointer": True, "dcp": True}] * 2  # imported by the spare, before the assignment
     marks = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert sorted((m["event"], m["rank"]) for m in marks) == [("assigned", "0"), ("assigned", "1")]
+    # Only the assignments: a busy machine may also trace a slow garbage collection ("gc").
+    assert sorted((m["event"], m["rank"]) for m in marks if m["event"] != "gc") == [("assigned", "0"), ("assigned", "1")]
