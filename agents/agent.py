@@ -45,6 +45,7 @@ from ftrt.agents.states import (
 from ftrt.agents.workers.boundary import boundary_timeout, planned_change
 from ftrt.agents.workers.env import recorded_error, worker_env
 from ftrt.agents.workers.hangs import find_hung
+from ftrt.agents.workers.keep import keep_in_place
 from ftrt.agents.workers.warmup import change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, WorkerFailure
@@ -294,7 +295,9 @@ class Agent:
 
     async def _fail_round(self, kind: str, detail: str) -> None:
         """The one route of a local failure (an exit or a hang): stop the workers and ask for a
-        restart of their round, unless another node's request replaced it already."""
+        restart of their round, unless another node's request replaced it already. After an exit,
+        live workers that change rounds in place (:mod:`~ftrt.agents.workers.keep`) stay and wait
+        for the new round; only the failed one is replaced."""
         rnd = self._workers_round()
         if rnd is None:
             return
@@ -304,7 +307,12 @@ class Agent:
         self.log.warning("worker %s in round %d: %s; asking for a restart", kind, failed, detail)
         p.metrics.fault(f"worker_{kind}")
         p.events.emit(f"worker_{kind}", detail, round=failed, evidence=detail)
-        await p.pool.stop_running(self.cfg.restart_grace)
+        kept = keep_in_place(p.pool.running, nproc=self.cfg.nproc_per_node, recovery=self.cfg.recovery,
+                             holds_store=False) if kind == "failure" else {}
+        if kept:  # the live workers wait in place for the restarted round; only the failed one goes
+            await p.pool.retire([w for w in p.pool.running if w not in kept.values()], 0.0)
+        else:
+            await p.pool.stop_running(self.cfg.restart_grace)
         current = p.rdzv.view.round
         if self.state.seen_round != failed or current is None or current.round != failed:
             # Another node's report already replaced round `failed` (one hang stalls every rank's
@@ -450,45 +458,54 @@ class Agent:
     async def _start_round(self, rnd: LocalRound) -> None:
         p = self.parts
         t0 = time.monotonic()
-        if p.pool.running:
+        first = rnd.first == self.cfg.node_id
+        kept = keep_in_place(p.pool.running, nproc=self.cfg.nproc_per_node, recovery=self.cfg.recovery,
+                             holds_store=first)
+        if kept:  # the others are gone already (exited) or failed: make room for spares
+            await p.pool.retire([w for w in p.pool.running if w not in kept.values()], 0.0)
+        elif p.pool.running:
             if (old := self._workers_round()) is not None:
                 await self._end_at_boundary(old, rnd)
             await p.pool.stop_running(self.cfg.restart_grace)
-        if rnd.first == self.cfg.node_id:
-            workers = await p.pool.take()
+        missing = [lr for lr in range(self.cfg.nproc_per_node) if lr not in kept]
+        fresh = await p.pool.take(len(missing), store=0 in missing)
+        if first:
+            holder = kept.get(0) or fresh[0]
+            if holder in fresh:
+                try:
+                    await asyncio.wait_for(holder.ready.wait(), self.cfg.worker_start_timeout)
+                except asyncio.TimeoutError:
+                    await p.pool.discard([holder])
+                    p.pool.give_back(fresh)
+                    await self._request_restart_unassigned(
+                        rnd, f"the worker holding the round's store did not start within "
+                             f"{self.cfg.worker_start_timeout:g} s (--worker-start-timeout)")
+                    return
+                if holder.exit_code is not None:
+                    p.pool.give_back(fresh)
+                    await self._request_restart_unassigned(rnd, "the worker holding the round's store died")
+                    return
             try:
-                await asyncio.wait_for(workers[0].ready.wait(), self.cfg.worker_start_timeout)
-            except asyncio.TimeoutError:
-                await p.pool.discard(workers[:1])
-                p.pool.give_back(workers[1:])
-                await self._request_restart_unassigned(
-                    rnd, f"the worker holding the round's store did not start within "
-                         f"{self.cfg.worker_start_timeout:g} s (--worker-start-timeout)")
-                return
-            if workers[0].exit_code is not None:
-                p.pool.give_back(workers[1:])
-                await self._request_restart_unassigned(rnd, "the worker holding the round's store died")
-                return
-            try:
-                await p.rdzv.publish_master(rnd, p.host, workers[0].store_port)
+                await p.rdzv.publish_master(rnd, p.host, holder.store_port)
             except RoundChanged:
-                p.pool.give_back(workers)
+                p.pool.give_back(fresh)
                 return
             except StoreError as exc:  # etcd did not answer: the next pass of the loop tries again
-                p.pool.give_back(workers)
+                p.pool.give_back(fresh)
                 self.log.warning("could not publish round %d's store address (%s); retrying", rnd.round, exc)
                 return
-            master_addr, master_port = p.host, workers[0].store_port
+            master_addr, master_port = p.host, holder.store_port
         else:
             master = await self._wait_master(rnd.round)
             if master is None:
+                p.pool.give_back(fresh)
                 return
             master_addr, master_port = master.addr, master.port
-            workers = await p.pool.take()
         offset = rnd.rank_offset(self.cfg.node_id)
         errors = Path(p.mem_dir) / "errors" / f"round-{rnd.round}"
         errors.mkdir(parents=True, exist_ok=True)
-        for local_rank, w in enumerate(workers):
+        spares = iter(fresh)
+        for local_rank in range(self.cfg.nproc_per_node):
             env = worker_env(
                 rnd, node_id=self.cfg.node_id, local_rank=local_rank, job_id=self.cfg.job_id,
                 master_addr=master_addr, master_port=master_port,
@@ -497,26 +514,58 @@ class Agent:
                 checkpoint_key_file=self.cfg.checkpoint_key_file,
                 error_file=str(errors / f"rank-{offset + local_rank}.json"),
                 nccl_async_error_handling=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                recovery=self.cfg.recovery, reconfigure_timeout=self.cfg.reconfigure_timeout,
             )
-            p.pool.assign(
-                w, local_rank=local_rank, rank=offset + local_rank, round_no=rnd.round, env=env,
-                script=self.cfg.script, module=self.cfg.module, argv=self.cfg.script_args,
-            )
+            if local_rank in kept:
+                p.pool.hand_round(kept[local_rank], local_rank=local_rank, rank=offset + local_rank,
+                                  round_no=rnd.round, env=env)
+            else:
+                p.pool.assign(
+                    next(spares), local_rank=local_rank, rank=offset + local_rank, round_no=rnd.round, env=env,
+                    script=self.cfg.script, module=self.cfg.module, argv=self.cfg.script_args,
+                )
         previous, self._last_started = self._last_started, rnd
         self._become(Running(rnd))
         p.metrics.round_started(rnd.round, rnd.world_size, rnd.node_count, rnd.reason, first=previous is None,
-                                fault=previous is not None and rnd.faults > previous.faults, written=rnd.created)
-        p.events.emit("workers_started", f"ranks {offset}-{offset + len(workers) - 1} of {rnd.world_size} "
-                      f"started ({rnd.reason})", ranks=[offset + i for i in range(len(workers))],
-                      world_size=rnd.world_size)
+                                fault=previous is not None and rnd.faults > previous.faults, written=rnd.created,
+                                mode="in-place" if kept else "restart")
+        last = offset + self.cfg.nproc_per_node - 1
+        if kept:
+            ranks = sorted(offset + lr for lr in kept)
+            p.events.emit("workers_reconfigured", f"ranks {ranks} took round {rnd.round} in place, "
+                          f"{len(fresh)} started ({rnd.reason})", ranks=ranks,
+                          pids=[kept[lr].pid for lr in sorted(kept)], world_size=rnd.world_size)
+            self._spawn(self._await_reconfigured(rnd.round, list(kept.values())))
+        else:
+            p.events.emit("workers_started", f"ranks {offset}-{last} of {rnd.world_size} "
+                          f"started ({rnd.reason})", ranks=list(range(offset, last + 1)),
+                          world_size=rnd.world_size)
         self.log.info(
-            "round %d: started ranks %d-%d of %d (%s) in %.0f ms",
-            rnd.round, offset, offset + len(workers) - 1, rnd.world_size, rnd.reason,
-            (time.monotonic() - t0) * 1000,
+            "round %d: %s ranks %d-%d of %d (%s) in %.0f ms",
+            rnd.round, f"{len(kept)} kept in place, {len(fresh)} started:" if kept else "started",
+            offset, last, rnd.world_size, rnd.reason, (time.monotonic() - t0) * 1000,
         )
-        age = time.time() - (rnd.job_started or time.time())
-        mtbf = estimate_mtbf(self.cfg.mtbf, rnd.faults, age).seconds
-        p.pool.refill_later(SPARE_REFILL_DELAY, idle_grace=idle_warm_grace(change_interval(mtbf, rnd.round, age)))
+        if fresh:
+            age = time.time() - (rnd.job_started or time.time())
+            mtbf = estimate_mtbf(self.cfg.mtbf, rnd.faults, age).seconds
+            p.pool.refill_later(SPARE_REFILL_DELAY,
+                                idle_grace=idle_warm_grace(change_interval(mtbf, rnd.round, age)))
+
+    async def _await_reconfigured(self, round_no: int, kept: list) -> None:
+        """Kill a worker kept in place that has not taken round ``round_no`` within
+        ``--reconfigure-timeout`` (its exit then fails the round as any worker's failure would,
+        and the round that follows replaces it)."""
+        await self.parts.pool.wait_taken(kept, self.cfg.reconfigure_timeout)
+        late = [w for w in kept if w.exit_code is None and w.round == round_no and not w.took_round.is_set()]
+        current = self._workers_round()
+        if not late or current is None or current.round != round_no:
+            return
+        for w in late:
+            detail = (f"rank {w.rank} (pid {w.pid}) did not take round {round_no} in place within "
+                      f"{self.cfg.reconfigure_timeout:g} s (--reconfigure-timeout); killed it, it is replaced")
+            self.log.warning("%s", detail)
+            self.parts.events.emit("reconfigure_timeout", detail, round=round_no, rank=w.rank)
+            w.proc.signal(signal.SIGKILL)
 
     async def _request_restart_unassigned(self, rnd: LocalRound, detail: str) -> None:
         self._become(Waiting(rnd.round))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -101,6 +101,16 @@ class LaunchConfig(BaseModel):
         DEFAULTS["restart_grace"], ge=0,
         description="Seconds between SIGTERM and SIGKILL when a round change replaces workers "
         "(their process group is broken already; 0 kills at once).",
+    )
+    recovery: Literal["in-place", "restart"] = Field(
+        DEFAULTS["recovery"],
+        description="in-place: at a round change, workers that asked for it (rt.init_process_group) take the new "
+        "round without exiting; only lost or failed workers are replaced. restart: every worker is replaced.",
+    )
+    reconfigure_timeout: float = Field(
+        DEFAULTS["reconfigure_timeout"], gt=0,
+        description="Seconds a worker kept in place may take to join its new round before it is killed and "
+        "replaced (the round then restarts its workers).",
     )
     warm_workers: bool = Field(
         DEFAULTS["warm_workers"],

@@ -45,6 +45,12 @@ def _nnodes(text: str) -> dict[str, int]:
     return {"min_nodes": lo, "max_nodes": hi}
 
 
+def _recovery(text: str) -> str:
+    if text not in ("in-place", "restart"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a recovery mode: write in-place or restart")
+    return text
+
+
 def _shown(default: Any) -> Any:
     """A default as ``--help`` shows it: 5.0 as 5."""
     return int(default) if isinstance(default, float) and default.is_integer() else default
@@ -153,6 +159,13 @@ FLAGS: tuple[Flag | FlagGroup, ...] = (
          "seconds between SIGTERM and SIGKILL when stopping workers at the end", type=float),
     Flag("restart_grace", ("--restart-grace",), 0.0,
          "seconds between SIGTERM and SIGKILL when a new round replaces workers (default {default})", type=float),
+    Flag("recovery", ("--recovery",), "in-place",
+         "in-place: at a round change, workers that ask for it (rt.init_process_group) take the new round "
+         "without exiting and only lost or failed ones are replaced; restart: every worker is replaced "
+         "(default {default}; a script that never asks is restarted either way)", type=_recovery),
+    Flag("reconfigure_timeout", ("--reconfigure-timeout",), 10.0,
+         "seconds a worker kept in place may take to join the new round before it is killed and replaced "
+         "(default {default})", type=float),
     Flag("warm_workers", ("--no-warm",), True, "start workers cold (no spares)", action="store_false"),
     Flag("warm_imports", ("--warm-import",), None,
          "module spares import while waiting (repeatable; default torch, torch.distributed, torch.nn.parallel, "

@@ -21,6 +21,16 @@ fault, and reads the step logs:
   torchrun never asks); time until the survivors step at world 2, their longest pause, the
   steps trained twice (``redone``), and the agent's exit code and time to exit (``exit_s``).
 
+``torchft`` (``pip install -e ".[bench]"``) is the strongest peer that keeps its survivors: one
+replica group per node under its own torchrun, a lighthouse at its best settings
+(:mod:`bench.torchft_baseline`), the same model and steps (:mod:`bench.torchft_worker`).
+
+``ftrt-inplace`` is ftrt with the script changing rounds in place (``ddp_steps.py --in-place``,
+``ftrt launch --recovery in-place``): the survivors keep their processes; each row says whether
+how many of them stepped on in the same processes (``kept``) and how many steps were trained again (``redone``). With
+``--compile`` the model is ``torch.compile``d, so a worker's start includes compiling it (inductor's
+on-disk cache is warm after the first run) and recovery that restarts workers pays it again.
+
 torchrun runs its c10d rendezvous as usually deployed: the first node's agent hosts the rendezvous
 TCPStore (``is_host=true``; the others ``false``), with its best settings
 (``last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3``, ``--monitor-interval
@@ -44,8 +54,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ftrt.chaos.local import LocalNode, StepLog, spares_warm, wait_until
 from ftrt.agents.peers.tls import AgentTls
+from ftrt.chaos.local import LocalNode, StepLog, spares_warm, wait_until
+
 from ftrt.store.certs import tls_dir
 from ftrt.store.etcd_server import EtcdServer, free_port
 
@@ -172,12 +183,24 @@ def _train(c: Cluster, names: list[str], steps: int, *, warm: bool = True) -> No
     time.sleep(1.0)  # a stretch of steady training before the fault
 
 
-def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, workload: str = "ddp") -> dict:
+SYSTEMS = ("ftrt", "ftrt-inplace", "ftrt-tls", "torchrun", "torchft")
+"""What ``--systems`` may name."""
+
+
+def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, workload: str = "ddp",
+            compile: bool = False) -> dict:
     """Run one scenario once on a fresh cluster; return its measurements (seconds)."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-{system}-{scenario}-"))
-    c = Cluster("ftrt" if system == "ftrt-tls" else system, work, torchrun_conf=torchrun_conf, workload=workload,
-                etcd_tls_auth=system == "ftrt-tls", script_extra=DRAIN_SCRIPT if scenario.startswith("drain") else ())
-    result: dict = {"system": system, "scenario": scenario, "workload": workload}
+    extra = (*(DRAIN_SCRIPT if scenario.startswith("drain") else ()), *(("--compile",) if compile else ()),
+             *(("--in-place",) if system == "ftrt-inplace" else ()))
+    if system == "torchft":
+        from bench.torchft_baseline import TorchftCluster
+
+        c = TorchftCluster(work, workload=workload, script_extra=extra)
+    else:
+        c = Cluster("ftrt" if system.startswith("ftrt") else system, work, torchrun_conf=torchrun_conf,
+                    workload=workload, etcd_tls_auth=system == "ftrt-tls", script_extra=extra)
+    result: dict = {"system": system, "scenario": scenario, "workload": workload, "compiled": compile}
     try:
         if scenario in ("node_loss", "node_loss_rank0", "node_freeze"):
             _train(c, ["n0", "n1", "n2"], steps=100000)
@@ -186,6 +209,7 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
             t0 = c.nodes[victim].freeze() if scenario == "node_freeze" else c.nodes[victim].kill()
             first = _wait_or_none(lambda: c.log.stepping(world=2, ranks=2, since=t0))
             result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
+            result.update(_survivors(c.log, t0, first))
         elif scenario == "node_loss_early":
             _train(c, ["n0", "n1", "n2"], steps=100000, warm=False)
             first_step = min(x["step"] for x in c.log.lines())
@@ -204,8 +228,9 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
             if crash is None:
                 raise RuntimeError("the crash was not injected")
             t0 = crash["time"]
-            first = _wait_or_none(lambda: _new_pids_stepping(c.log, t0, 3))
+            first = _wait_or_none(lambda: _stepping_in_a_new_round(c.log, t0, 3))
             result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
+            result.update(_survivors(c.log, t0, first, lost={crash["pid"]}))
             if scenario == "fault_during_warmup" and first:
                 result["first_recovery_s"] = result["recovery_s"]
                 time.sleep(max(0.0, max(first.values()) + SECOND_FAULT_AFTER_S - time.time()))
@@ -223,6 +248,7 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
             result["recovery_s"] = round(max(first.values()) - t0, 3) if first else None
             if first:
                 result["pause_s"] = round(_longest_pause(c.log, t0, max(first.values())), 3)
+            result.update(_survivors(c.log, t0, first))
         elif scenario in ("drain", "drain_rank0"):
             _train(c, ["n0", "n1", "n2"], steps=100000)
             victim = c.victim(rank0=scenario == "drain_rank0")
@@ -241,6 +267,7 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
                 time.sleep(1.0)  # a few steps at world 2, so a step trained twice shows
             steps = [x["step"] for x in c.log.lines() if x["rank"] == 0]
             result["redone"] = len(steps) - len(set(steps))
+            result["kept"] = _survivors(c.log, t0, first)["kept"]
         else:
             raise ValueError(scenario)
     finally:
@@ -264,13 +291,31 @@ def _wait_or_none(pred):
         return None
 
 
-def _new_pids_stepping(log: StepLog, t0: float, ranks: int) -> dict[int, float] | None:
-    before = {x["pid"] for x in log.lines() if x["time"] <= t0}
+def _stepping_in_a_new_round(log: StepLog, t0: float, ranks: int) -> dict[int, float] | None:
+    """The first step of each rank in a round newer than the one running at ``t0`` (workers kept in
+    place or restarted alike), once ``ranks`` ranks stepped in it."""
+    old = max((x["round"] for x in log.lines() if x["time"] <= t0), default=0)
     first: dict[int, float] = {}
     for x in log.after(t0):
-        if x["pid"] not in before:
+        if x["round"] > old:
             first.setdefault(x["rank"], x["time"])
     return first if len(first) >= ranks else None
+
+
+def _survivors(log: StepLog, t0: float, first: dict[int, float] | None, lost: set[int] = frozenset()) -> dict:
+    """``kept``: how many processes that stepped in the second before ``t0`` (less the ``lost``
+    ones) step again after the recovery, i.e. were not restarted (2 of 2 in every scenario when
+    survivors keep their processes); ``redone``: steps trained again after it (the newest step
+    before ``t0`` minus the first one of the new round, plus one; 0 when none)."""
+    if not first:
+        return {"kept": None, "redone": None}
+    before = [x for x in log.lines() if x["time"] <= t0]
+    old_round = max(x["round"] for x in before)
+    after = [x for x in log.after(t0) if x["round"] > old_round]
+    old_pids = {x["pid"] for x in before if x["time"] >= t0 - 1.0} - set(lost)
+    newest = max(x["step"] for x in before)
+    resumed = min((x["step"] for x in after), default=newest + 1)
+    return {"kept": len(old_pids & {x["pid"] for x in after}), "redone": max(0, newest - resumed + 1)}
 
 
 def _longest_pause(log: StepLog, t0: float, t1: float) -> float:
@@ -283,17 +328,17 @@ def _longest_pause(log: StepLog, t0: float, t1: float) -> float:
 
 
 def run(reps: int = 3, scenarios: tuple[str, ...] = SCENARIOS, torchrun_defaults: bool = True,
-        workload: str = "ddp", systems: tuple[str, ...] = ("ftrt", "torchrun")) -> dict:
+        workload: str = "ddp", systems: tuple[str, ...] = ("ftrt", "torchrun"), compile: bool = False) -> dict:
     rows = []
     for scenario in scenarios:
         for system in systems:
             for rep in range(reps):
-                r = measure(system, scenario, workload=workload)
+                r = measure(system, scenario, workload=workload, compile=compile)
                 r["rep"] = rep
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     if torchrun_defaults and "torchrun" in systems:
-        r = measure("torchrun", "node_loss", torchrun_conf="", workload=workload)
+        r = measure("torchrun", "node_loss", torchrun_conf="", workload=workload, compile=compile)
         r.update(rep=0, settings="defaults")
         rows.append(r)
         print(json.dumps(r), flush=True)
@@ -316,15 +361,26 @@ def summarize(rows: list[dict]) -> list[dict]:
             pauses = [r["pause_s"] for r in rows if r["scenario"] == scenario and r["system"] == system and "pause_s" in r]
             if pauses:
                 entry[system]["median_pause_s"] = round(statistics.median(pauses), 3)
+            kept = [r["kept"] for r in rows if r["scenario"] == scenario and r["system"] == system
+                    and r.get("kept") is not None]
+            if kept:
+                entry[system]["kept"] = kept
             mine = [r for r in rows if r["scenario"] == scenario and r["system"] == system and "redone" in r]
-            if mine:  # a drain: what the departing agent did, and the steps trained twice
-                entry[system].update(redone=[r["redone"] for r in mine], exit_codes=[r["exit_code"] for r in mine],
-                                     exit_s=[r["exit_s"] for r in mine])
+            if mine:  # the steps trained again; for a drain, also what the departing agent did
+                entry[system]["redone"] = [r["redone"] for r in mine]
+            if any("exit_code" in r for r in mine):
+                entry[system].update(exit_codes=[r["exit_code"] for r in mine], exit_s=[r["exit_s"] for r in mine])
         f, t = entry.get("ftrt", {}).get("median_s"), entry.get("torchrun", {}).get("median_s")
         entry["speedup"] = round(t / f, 1) if f and t else None
         s = entry.get("ftrt-tls", {}).get("median_s")
         if f and s:
             entry["tls_ratio"] = round(s / f, 3)  # ftrt with etcd over TLS and auth, over without
+        i = entry.get("ftrt-inplace", {}).get("median_s")
+        if i and f:
+            entry["inplace_ratio"] = round(i / f, 3)  # in place over restarting every worker
+        ft = entry.get("torchft", {}).get("median_s")
+        if i and ft:
+            entry["torchft_ratio"] = round(ft / i, 2)  # torchft's time over ftrt in place's
         out.append(entry)
     defaults = [r for r in rows if r.get("settings") == "defaults"]
     if defaults:
@@ -345,17 +401,29 @@ def render(summary: list[dict]) -> str:
         tr = f"{fmt(t.get('min_s'))}-{fmt(t.get('max_s'))}" if t.get("min_s") is not None else ""
         ratio = f"{e['speedup']}x" if e.get("speedup") else ""
         lines.append(f"{e['scenario']:<32}{fmt(f.get('median_s')) if f else '':>12}{fr:>16}"
-                     f"{fmt(t.get('median_s')):>17}{tr:>18}{ratio:>8}")
+                     f"{fmt(t.get('median_s')) if t else '':>17}{tr:>18}{ratio:>8}")
         s = e.get("ftrt-tls", {})
         if s.get("median_s") is not None:
             lines.append(f"{'':<4}ftrt with TLS everywhere (etcd TLS + auth, agent mTLS): {fmt(s['median_s'])} "
                          f"({fmt(s['min_s'])}-{fmt(s['max_s'])}), {e.get('tls_ratio', '-')}x ftrt without")
-        for sysname, d in (("ftrt", f), ("ftrt-tls", s), ("torchrun", t)):
+        ip = e.get("ftrt-inplace", {})
+        if ip.get("median_s") is not None:
+            lines.append(f"{'':<4}ftrt in place (survivors keep their processes): {fmt(ip['median_s'])} "
+                         f"({fmt(ip['min_s'])}-{fmt(ip['max_s'])}), {e.get('inplace_ratio', '-')}x ftrt restarting them")
+        tf = e.get("torchft", {})
+        if tf.get("median_s") is not None:
+            lines.append(f"{'':<4}torchft: {fmt(tf['median_s'])} ({fmt(tf['min_s'])}-{fmt(tf['max_s'])})"
+                         + (f", {e['torchft_ratio']}x ftrt in place" if e.get("torchft_ratio") else ""))
+        for sysname, d in (("ftrt", f), ("ftrt-inplace", ip), ("ftrt-tls", s), ("torchrun", t), ("torchft", tf)):
             if d.get("median_pause_s") is not None:
                 lines.append(f"{'':<4}{sysname} running ranks' longest pause: {d['median_pause_s']:.2f} s (median)")
-            if d.get("redone") is not None:
+            if d.get("exit_codes") is not None:
                 lines.append(f"{'':<4}{sysname}: steps redone {d['redone']}, the drained agent exited "
                              f"{d['exit_codes']} after {d['exit_s']} s")
+            elif d.get("redone") is not None:
+                lines.append(f"{'':<4}{sysname}: steps redone per run {d['redone']}")
+            if d.get("kept") is not None:
+                lines.append(f"{'':<4}{sysname}: processes that stepped on unrestarted, per run: {d['kept']}")
             if d.get("no_recovery"):
                 lines.append(f"{'':<4}{sysname}: {d['no_recovery']} of {d['runs']} runs did not recover within {CAP:.0f} s")
     return "\n".join(lines)
@@ -371,21 +439,26 @@ def main(argv: list[str]) -> int:
     p.add_argument("--workload", choices=("ddp", "plain"), default="ddp",
                    help="ddp: DDP + SGD (imports torch._dynamo); plain: hand-written all-reduce, no dynamo")
     p.add_argument("--systems", default="ftrt,torchrun",
-                   help="comma-separated, of ftrt, ftrt-tls (etcd over TLS with client certificates and auth, "
-                        "and mutual TLS between agents) and torchrun (default ftrt,torchrun)")
+                   help="comma-separated, of ftrt, ftrt-inplace (the script changes rounds in place: survivors "
+                        "keep their processes), ftrt-tls (etcd over TLS with client certificates and auth, "
+                        "and mutual TLS between agents), torchrun and torchft (pip install -e '.[bench]'; "
+                        "default ftrt,torchrun)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model, so that starting a worker costs what it costs with compiled graphs")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
     systems = tuple(s for s in args.systems.split(",") if s)
-    if not systems or set(systems) - {"ftrt", "ftrt-tls", "torchrun"}:
-        p.error(f"--systems {args.systems!r}: choose from ftrt, ftrt-tls, torchrun")
+    if not systems or set(systems) - set(SYSTEMS):
+        p.error(f"--systems {args.systems!r}: choose from {', '.join(SYSTEMS)}")
     t0 = time.time()
-    res = run(args.reps, tuple(args.scenario or SCENARIOS), args.defaults, args.workload, systems)
+    res = run(args.reps, tuple(args.scenario or SCENARIOS), args.defaults, args.workload, systems, args.compile)
     res.update(
         date=time.strftime("%Y-%m-%d %H:%M"), machine=f"{os.cpu_count()} cores",
         command="python -m bench recovery " + " ".join(argv), wall_s=round(time.time() - t0),
     )
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"recovery-{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    name = f"{args.workload}{'-compiled' if args.compile else ''}"
+    path = Path(args.out) / f"recovery-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(res, indent=2) + "\n")
     print()
     print(render(res["summary"]))

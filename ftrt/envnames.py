@@ -25,12 +25,17 @@ MTBF = "FTRT_MTBF"
 """The operator's ``--mtbf`` (seconds), or empty."""
 MEM_DIR = "FTRT_MEM_DIR"
 """The node's memory-tier directory."""
+RECOVERY = "FTRT_RECOVERY"
+"""``in-place`` or ``restart`` (``ftrt launch --recovery``): whether a worker that asks may change
+rounds without exiting."""
+RECONFIGURE_TIMEOUT = "FTRT_RECONFIGURE_TIMEOUT"
+"""Seconds a worker in place waits for its next round after a collective failed (``--reconfigure-timeout``)."""
 ROUND_END_FILE = "FTRT_ROUND_END_FILE"
 """The mapped file through which the agent asks a round to end at a step boundary."""
 
 # -- agent -> spare (agents/workers/pool.py, agents/workers/_bootstrap.py, agents/workers/template.py) ----------------
 CONTROL_FD = "FTRT_CONTROL_FD"
-"""The pipe on which a spare receives its assignment."""
+"""The pipe on which a spare receives its assignment, and a worker in place its next rounds (:mod:`ftrt.control`)."""
 REPORT_FD = "FTRT_REPORT_FD"
 """The pipe on which a worker reports heartbeats, checkpoints and readiness to its agent."""
 FENCE_FILE = "FTRT_FENCE_FILE"

@@ -48,6 +48,12 @@ class RoundChanged(FtrtError):
     """A fenced write failed because the rendezvous moved on to a newer round."""
 
 
+class WorldChanged(FtrtError):
+    """The job's world changed under this worker (a node was lost or joined, a worker was replaced):
+    the step in flight is void. Take the new round in place (:meth:`ftrt.Runtime.reconfigure`),
+    agree on the state (:func:`ftrt.sync_state`) and train the step again."""
+
+
 class RendezvousTimeout(FtrtError):
     """The job stayed below its minimum number of nodes for longer than the join timeout."""
 

@@ -67,6 +67,23 @@ class Boundary:
 
 
 @dataclass(frozen=True)
+class InPlace:
+    """The worker changes rounds without exiting (:meth:`ftrt.Runtime.init_process_group` under
+    ``--recovery in-place``): at the next round the agent hands it the round
+    (:class:`ftrt.control.NewRound`) instead of replacing it."""
+
+    TYPE: ClassVar[str] = "inplace"
+
+
+@dataclass(frozen=True)
+class Reconfigured:
+    """The worker took ``round`` in place: its new process group is up (:meth:`ftrt.Runtime.reconfigure`)."""
+
+    TYPE: ClassVar[str] = "reconf"
+    round: int
+
+
+@dataclass(frozen=True)
 class MemorySaved:
     """A memory checkpoint of ``rank`` at ``step`` is complete in the node's memory directory; the
     agent replicates it to its peers and counts it in the metrics."""
@@ -109,11 +126,12 @@ class Stats:
     values: Mapping[str, float]
 
 
-Report = Union[Ready, SpareExit, Heartbeat, Done, Boundary, MemorySaved, Committed, Restored, Stats]
+Report = Union[Ready, SpareExit, Heartbeat, Done, Boundary, InPlace, Reconfigured, MemorySaved, Committed, Restored,
+               Stats]
 """Any worker report."""
 
-TYPES: dict[str, type] = {cls.TYPE: cls for cls in (Ready, SpareExit, Heartbeat, Done, Boundary, MemorySaved,
-                                                   Committed, Restored, Stats)}
+TYPES: dict[str, type] = {cls.TYPE: cls for cls in (Ready, SpareExit, Heartbeat, Done, Boundary, InPlace, Reconfigured,
+                                                   MemorySaved, Committed, Restored, Stats)}
 """Every report class by its wire type."""
 
 CHECKPOINT_REPORTS = (MemorySaved, Committed, Restored)

@@ -49,10 +49,9 @@ class RoundEndVote:
         before, self._pending = self._pending, (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         return before is not None and self._agreed(before)
 
-    @staticmethod
-    def _agreed(pending: tuple[object, object]) -> bool:
+    def _agreed(self, pending: tuple[object, object]) -> bool:
         work, flag = pending
-        work.wait()
+        self.rt.wait(work)  # in place, a frozen peer ends it with ftrt.WorldChanged
         return flag.item() > 0
 
     def close(self) -> None:

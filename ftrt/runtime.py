@@ -9,17 +9,20 @@ therefore runs unchanged in all three settings.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ftrt import _diag, envnames, reports
+from ftrt.errors import FtrtError, WorldChanged
 
 if TYPE_CHECKING:
+    from ftrt.control import ControlChannel
     from ftrt.roundendfile import RoundEndReader
     from ftrt.checkpoint.cadence import Cadence, Choice, Interval
     from ftrt.store.access import EtcdTarget
@@ -70,8 +73,15 @@ class Runtime:
     etcd: "EtcdTarget | None" = None
     """The job's etcd under ``ftrt launch`` (endpoints and access, as the agent handed them down);
     None elsewhere. Code that needs it calls :meth:`etcd_store`."""
+    recovery: str = "restart"
+    """``in-place`` when this worker may change rounds without exiting (``ftrt launch --recovery``,
+    the default there), else ``restart``."""
+    reconfigure_timeout: float = 10.0
+    """Seconds to wait for the agent's next round after a step failed (``--reconfigure-timeout``)."""
     last_step: int = -1
     _report_fd: int = field(default=-1, repr=False)
+    _control: "ControlChannel | None" = field(default=None, repr=False)  # under ftrt launch
+    _group: "tuple[str | None, dict[str, Any]] | None" = field(default=None, repr=False)  # init_process_group's
     _round_end: "RoundEndReader | None" = field(default=None, repr=False)  # under ftrt launch
     _polls_round_end: bool = field(default=False, repr=False)  # told the agent (first round_ending())
 
@@ -151,6 +161,119 @@ class Runtime:
             except (OSError, ValueError):
                 pass
         os._exit(0)
+
+    # -- changing rounds in place (ftrt.inplace) -------------------------------------------------
+    def init_process_group(self, backend: str | None = None, **kwargs: Any) -> None:
+        """``torch.distributed.init_process_group`` for this worker's round, kept across rounds.
+
+        Under ``ftrt launch`` the group meets in the round's TCPStore under the round's own prefix
+        (:func:`ftrt.inplace.round_store`), and with ``--recovery in-place`` (the default) this
+        worker is from then on kept when the job's membership changes: it gets the new round from
+        its agent (see :meth:`step`, :meth:`reconfigure`) instead of being restarted. Elsewhere
+        (torchrun, a plain script) it is ``init_process_group(backend, **kwargs)`` unchanged.
+        ``kwargs``: ``timeout`` (a ``timedelta``), ``device_id``, ``pg_options``...; not ``store``,
+        ``rank`` or ``world_size``, which the round gives.
+        """
+        import torch.distributed as dist
+
+        if not self.launched_by_ftrt:
+            dist.init_process_group(backend, **kwargs)
+            return
+        for taken in ("store", "rank", "world_size", "init_method"):
+            if taken in kwargs:
+                raise ValueError(f"Runtime.init_process_group takes no {taken}=: the round gives it.")
+        self._group = (backend, dict(kwargs))
+        self._join_group()
+        if self.in_place:
+            self.report(reports.InPlace())
+
+    @property
+    def in_place(self) -> bool:
+        """Whether this worker changes rounds without exiting (after :meth:`init_process_group`,
+        under ``ftrt launch --recovery in-place``)."""
+        return self._control is not None and self._group is not None and self.recovery == "in-place"
+
+    def world_changed(self) -> bool:
+        """Whether the agent has handed this worker a new round it has not taken yet (cheap: one
+        non-blocking read). Always False when not :attr:`in_place`."""
+        return self.in_place and self._control.poll() is not None  # type: ignore[union-attr]
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Run one training step; raise :class:`ftrt.WorldChanged` if the world changed under it.
+
+        On entry: when a new round is waiting (a node joined, or left gracefully). On a
+        ``RuntimeError`` inside (a collective whose peer died): when the agent hands over a new
+        round within ``--reconfigure-timeout``; otherwise the error was the step's own and is
+        raised unchanged. Catch :class:`~ftrt.WorldChanged`, call :meth:`reconfigure` and
+        :func:`ftrt.sync_state`, and train the step again. When not :attr:`in_place` it only runs
+        the step."""
+        if self.world_changed():
+            raise WorldChanged(f"Round {self._control.poll().round} replaced round {self.round}.")  # type: ignore[union-attr]
+        try:
+            yield
+        except RuntimeError as exc:
+            if not self.in_place:
+                raise
+            new = self._control.wait(self.reconfigure_timeout)  # type: ignore[union-attr]
+            if new is None:
+                raise
+            raise WorldChanged(f"Round {new.round} replaced round {self.round} during a step: {exc}") from exc
+
+    def wait(self, work: Any) -> None:
+        """Wait for an asynchronous collective (``dist.all_reduce(t, async_op=True)``), but leave it
+        when this worker's agent hands over a new round: raise :class:`ftrt.WorldChanged` then.
+
+        A collective whose peer is frozen (SIGSTOP, a hung host) neither completes nor fails on
+        gloo, and ``abort()`` does not free it; a bounded wait does. Here the wait is cut in slices
+        of :data:`ftrt.inplace.WAIT_SLICE_S`, between which the control pipe is read (one
+        non-blocking read). When not :attr:`in_place` it is ``work.wait()``."""
+        if not self.in_place:
+            work.wait()
+            return
+        from ftrt.inplace import wait_leaving
+
+        wait_leaving(work, self._control.poll, self.round)  # type: ignore[union-attr]
+
+    def reconfigure(self, timeout: float | None = None) -> int:
+        """Take the new round in place: wait for it (at most ``timeout`` s, default
+        ``--reconfigure-timeout``), destroy the old default process group, take the new rank, world
+        size and round, and make the new group with the same backend and options. Returns the new
+        round. Rebuild what wraps the group afterwards (DDP), after :func:`ftrt.sync_state`."""
+        if not self.in_place:
+            raise FtrtError("Runtime.reconfigure works only under ftrt launch --recovery in-place, after "
+                            "rt.init_process_group(); restart the worker instead.")
+        control = self._control
+        wait = self.reconfigure_timeout if timeout is None else timeout
+        if control.poll() is None:  # type: ignore[union-attr]
+            control.wait(wait)  # type: ignore[union-attr]
+        new = control.take()  # type: ignore[union-attr]
+        if new is None:
+            raise FtrtError(f"No new round came from this worker's agent within {wait:g} s "
+                            "(--reconfigure-timeout); the agent may be gone.")
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            from ftrt.inplace import leave_group
+
+            leave_group()
+        os.environ.update(new.env)
+        for name, value in _placement().items():
+            setattr(self, name, value)
+        self._join_group()
+        self.report(reports.Reconfigured(self.round))
+        return self.round
+
+    def _join_group(self) -> None:
+        """Make the default process group of this worker's round (:meth:`init_process_group`)."""
+        import torch.distributed as dist
+        from ftrt.inplace import round_store
+
+        backend, kwargs = self._group  # type: ignore[misc]
+        timeout = kwargs.get("timeout")
+        wait = timeout.total_seconds() if timeout is not None else 300.0
+        store = round_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.round, wait)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, **kwargs)
 
     def report_metrics(self, **values: float) -> None:
         """Publish training metrics (e.g. ``reward=0.41, kl=0.002``) on this node's Prometheus
@@ -260,6 +383,31 @@ def _etcd_target() -> "EtcdTarget | None":
     return target_from_env()
 
 
+def _placement() -> dict[str, Any]:
+    """What the environment says about this worker's place in its round (it changes with the round
+    when the worker changes rounds in place)."""
+    return dict(
+        rank=_env_int("RANK", 0),
+        world_size=_env_int("WORLD_SIZE", 1),
+        local_rank=_env_int("LOCAL_RANK", 0),
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+        group_rank=_env_int("GROUP_RANK", 0),
+        round=_env_int(envnames.ROUND, 0),
+        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        faults=_env_int(envnames.FAULTS, 0),
+    )
+
+
+def _control_channel() -> "ControlChannel | None":
+    """The agent's control pipe, when ``ftrt launch`` started this worker (next rounds come there)."""
+    fd = _env_int(envnames.CONTROL_FD, -1)
+    if fd < 0 or envnames.JOB_ID not in os.environ:
+        return None
+    from ftrt.control import ControlChannel
+
+    return ControlChannel.open(fd, after=_env_int(envnames.ROUND, 0))
+
+
 def init() -> Runtime:
     """Return this process's :class:`Runtime` (created on first call from the environment)."""
     global _RUNTIME
@@ -272,24 +420,19 @@ def init() -> Runtime:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
         except OSError:
             fd = -1
-    world = _env_int("WORLD_SIZE", 1)
     _RUNTIME = Runtime(
-        rank=_env_int("RANK", 0),
-        world_size=world,
-        local_rank=_env_int("LOCAL_RANK", 0),
-        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
-        group_rank=_env_int("GROUP_RANK", 0),
-        round=_env_int(envnames.ROUND, 0),
-        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        **_placement(),
         job_id=os.environ.get(envnames.JOB_ID) or os.environ.get("TORCHELASTIC_RUN_ID") or "local",
         node_id=os.environ.get(envnames.NODE_ID, "local"),
         agent_addr=os.environ.get(envnames.AGENT_ADDR, ""),
         launched_by_ftrt=envnames.JOB_ID in os.environ,
-        faults=_env_int(envnames.FAULTS, 0),
         job_started=_env_float(envnames.JOB_STARTED, 0.0) or time.time(),
         mtbf=_env_float(envnames.MTBF, 0.0) or None,
         etcd=_etcd_target(),
+        recovery=os.environ.get(envnames.RECOVERY) or "restart",
+        reconfigure_timeout=_env_float(envnames.RECONFIGURE_TIMEOUT, 10.0),
         _report_fd=fd,
+        _control=_control_channel(),
         _round_end=_round_end_reader(),
     )
     return _RUNTIME

@@ -32,6 +32,8 @@ MADE = [
     reports.Heartbeat(7),
     reports.Done(7),
     reports.Boundary(),
+    reports.InPlace(),
+    reports.Reconfigured(4),
     reports.MemorySaved(1, 7, 4096, 0.0123456789),
     reports.Committed("storage", 0, 7, 4096, 1.5),
     reports.Restored(1, "memory", 7, 0.2),
@@ -41,15 +43,18 @@ MADE = [
 
 
 def test_each_report_has_its_type_and_survives_the_wire():
-    assert {type(r).TYPE for r in MADE} == set(reports.TYPES) and len(reports.TYPES) == 9
+    assert {type(r).TYPE for r in MADE} == set(reports.TYPES) and len(reports.TYPES) == 11
     for report in MADE:
         line = reports.encode(report)
         assert line.endswith(b"\n") and json.loads(line)["t"] == type(report).TYPE
         back = reports.decode(line)
         assert type(back) is type(report)
     assert reports.decode(reports.encode(reports.Stats({"reward": 1}))).values == {"reward": 1.0}
-    assert json.loads(reports.encode(MADE[5]))["save_s"] == 0.012346  # durations travel to the microsecond
-    assert reports.decode(reports.encode(MADE[6])) == MADE[6]
+    saved = next(r for r in MADE if isinstance(r, reports.MemorySaved))
+    assert json.loads(reports.encode(saved))["save_s"] == 0.012346  # durations travel to the microsecond
+    committed = next(r for r in MADE if isinstance(r, reports.Committed))
+    assert reports.decode(reports.encode(committed)) == committed
+    assert reports.decode(reports.encode(reports.Reconfigured(4))) == reports.Reconfigured(4)
     assert set(reports.CHECKPOINT_REPORTS) <= set(reports.TYPES.values())
 
 

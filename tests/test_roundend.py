@@ -24,6 +24,9 @@ class _Asked:
     def round_ending(self) -> bool:
         return self.rank == self.asked_rank and self.step >= self.asked_from
 
+    def wait(self, work) -> None:  # Runtime.wait outside in-place recovery
+        work.wait()
+
 
 def _rank(rank: int, init: str, asked_rank: int, out) -> None:
     import torch.distributed as dist

@@ -66,6 +66,9 @@ class AgentMetrics:
         self.nodes = Gauge("ftrt_nodes", "Nodes in the current round.", registry=r)
         self.restarts = Counter("ftrt_restarts", "Round changes that restarted this node's workers, by cause.",
                                 ["reason"], registry=r)
+        self.recoveries = Counter("ftrt_recoveries", "Round changes after the first on this node, by how its "
+                                  "workers took them (in-place: the live ones kept their processes; restart: "
+                                  "every one replaced).", ["mode"], registry=r)
         self.faults = Counter("ftrt_faults_detected", "Faults this node saw evidence of, by kind.", ["kind"],
                               registry=r)
         self.recovery = Histogram("ftrt_recovery_seconds", "From a fault's first evidence to the first step "
@@ -85,6 +88,8 @@ class AgentMetrics:
             self.restarts.labels(reason)
         for kind in FAULT_KINDS:
             self.faults.labels(kind)
+        for mode in ("in-place", "restart"):
+            self.recoveries.labels(mode)
         self._trainer: dict[str, Gauge] = {}
         self._lock = threading.Lock()  # the scrape runs on the HTTP server's thread
         self._steps: dict[int, tuple[int, float]] = {}  # rank -> (step, monotonic time of its heartbeat)
@@ -105,14 +110,16 @@ class AgentMetrics:
             self._fault_at = self.clock()
 
     def round_started(self, round_no: int, world_size: int, nodes: int, reason: str, *, first: bool,
-                      fault: bool, written: float = 0.0) -> None:
+                      fault: bool, written: float = 0.0, mode: str = "restart") -> None:
         """This node's workers start in a new round (``first``: the job's first for this node;
-        ``written``: the wall time the round was written, the fault's mark without local evidence)."""
+        ``written``: the wall time the round was written, the fault's mark without local evidence;
+        ``mode``: ``in-place`` when live workers took it without exiting, else ``restart``)."""
         self.round.set(round_no)
         self.world_size.set(world_size)
         self.nodes.set(nodes)
         if not first:
             self.restarts.labels(restart_reason(reason)).inc()
+            self.recoveries.labels(mode).inc()
         if fault:
             self._recovering_round = round_no
             if self._fault_at is None:  # no local evidence: the round's writing is the first sign here

@@ -104,7 +104,7 @@ async def _agent_workers(nodes: list[NodeRecord], tls: AgentTls) -> dict[str, li
             return node.node_id, [{"error": f"agent unreachable: {type(exc).__name__}"}]
         return node.node_id, [
             {"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid, "state": w.state,
-             "step": w.step, "heartbeat_age_s": round(w.last_heartbeat_age_s, 2)}
+             "step": w.step, "heartbeat_age_s": round(w.last_heartbeat_age_s, 2), "since_round": w.since_round}
             for w in resp.workers
         ]
 
@@ -137,9 +137,11 @@ def render(st: dict) -> str:
                 if "error" in w:
                     lines.append(f"         {w['error']}")
                 elif w["rank"] >= 0:
+                    kept = (f", kept in place since round {w['since_round']}"
+                            if 0 < w.get("since_round", 0) < rnd["round"] else "")
                     lines.append(
                         f"         rank {w['rank']}: pid {w['pid']} {w['state']}, step {w['step']}, "
-                        f"last heartbeat {w['heartbeat_age_s']} s ago"
+                        f"last heartbeat {w['heartbeat_age_s']} s ago{kept}"
                     )
     ck = st.get("latest_checkpoint")
     if ck:

@@ -13,7 +13,7 @@ class Metrics(Protocol):
     def fault(self, kind: str) -> None: ...
 
     def round_started(self, round_no: int, world_size: int, nodes: int, reason: str, *, first: bool,
-                      fault: bool, written: float = 0.0) -> None: ...
+                      fault: bool, written: float = 0.0, mode: str = "restart") -> None: ...
 
     def heartbeat(self, rank: int, round_no: int, step: int) -> None: ...
 
@@ -27,7 +27,7 @@ class NoMetrics:
         pass
 
     def round_started(self, round_no: int, world_size: int, nodes: int, reason: str, *, first: bool,
-                      fault: bool, written: float = 0.0) -> None:
+                      fault: bool, written: float = 0.0, mode: str = "restart") -> None:
         pass
 
     def heartbeat(self, rank: int, round_no: int, step: int) -> None:

@@ -80,7 +80,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             agent_pb2.WorkerStatus(
                 local_rank=w.local_rank, rank=w.rank, pid=w.pid, state=w.state.value, step=w.step,
                 last_heartbeat_age_s=(now - w.last_heartbeat) if w.last_heartbeat else -1.0,
-                exit_code=w.exit_code if w.exit_code is not None else 0,
+                exit_code=w.exit_code if w.exit_code is not None else 0, since_round=w.since_round,
             )
             for w in st.workers
         ]

@@ -9,6 +9,7 @@ through which an agent talks to them.
 - :mod:`.env`: torchrun's environment plus ftrt's for one worker (pure);
 - :mod:`.fence`: the lease deadline a worker stops itself at;
 - :mod:`.boundary`: when and how long an agent waits for a round to end at a step boundary;
+- :mod:`.keep`: which workers take the next round in place (pure);
 - :mod:`.hangs`: which workers are silent past the hang timeout (pure);
 - :mod:`._bootstrap`: the entry point of every worker process.
 """

@@ -9,7 +9,8 @@ interpreter boot. A cold start is the same path with the assignment sent at once
 Wire protocol (JSON lines):
 
 - agent -> worker on ``FTRT_CONTROL_FD``: one ``{"env": {...}, "argv": [...], "script": str|null,
-  "module": str|null, "cwd": str}``;
+  "module": str|null, "cwd": str}``; then, to a worker that changes rounds in place, its next
+  rounds (:mod:`ftrt.control`, read through :class:`ftrt.Runtime`);
 - worker -> agent on ``FTRT_REPORT_FD``: :class:`ftrt.reports.Ready` once warm, then whatever the
   script reports through :class:`ftrt.Runtime` (:mod:`ftrt.reports` owns every message type).
 
@@ -99,8 +100,11 @@ def main() -> None:
     _report(report_fd, reports.Ready(os.getpid(), store_port))
 
     job = _read_assignment(control_fd)
-    os.close(control_fd)
     os.environ.update(job["env"])
+    # The pipe stays open: a worker that changes rounds in place reads its next rounds there
+    # (ftrt.control). Its children do not inherit it.
+    os.set_inheritable(control_fd, False)
+    os.environ[envnames.CONTROL_FD] = str(control_fd)
     os.chdir(job["cwd"])
     fence_path = os.environ.get(envnames.FENCE_FILE)
     from ftrt import _diag

@@ -30,6 +30,8 @@ def worker_env(
     checkpoint_key_file: str | None = None,
     error_file: str = "",
     nccl_async_error_handling: str = "1",
+    recovery: str = "in-place",
+    reconfigure_timeout: float = 10.0,
 ) -> dict[str, str]:
     """Variables for one worker of ``node_id`` in round ``rnd`` (which must include the node).
 
@@ -37,7 +39,9 @@ def worker_env(
     password: one from ``FTRT_ETCD_PASSWORD`` is inherited with the agent's environment).
     ``error_file``: where a worker whose entry point is wrapped in torchelastic's ``@record``
     writes its exception (``TORCHELASTIC_ERROR_FILE``); ``nccl_async_error_handling``: the
-    operator's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, else torchrun's default ``1``."""
+    operator's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, else torchrun's default ``1``; ``recovery`` and
+    ``reconfigure_timeout``: ``--recovery`` and ``--reconfigure-timeout``, for a worker that may change
+    rounds in place (:mod:`ftrt.control`)."""
     member = rnd.member(node_id)
     if member is None:
         raise ValueError(f"node {node_id!r} is not a member of round {rnd.round}")
@@ -73,6 +77,8 @@ def worker_env(
         envnames.FAULTS: str(rnd.faults),
         envnames.JOB_STARTED: repr(rnd.job_started or rnd.created),
         envnames.MTBF: "" if mtbf is None else repr(float(mtbf)),
+        envnames.RECOVERY: recovery,
+        envnames.RECONFIGURE_TIMEOUT: repr(float(reconfigure_timeout)),
         **etcd_access.env(),
         # The path of the checkpoint key, never the key (ftrt.checkpoint.signing); without the flag
         # an operator's own FTRT_CHECKPOINT_KEY(_FILE) reaches the worker with the agent's environment.

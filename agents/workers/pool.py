@@ -10,7 +10,8 @@ Processes themselves (starting, output, reports, signals, reaping) are the busin
 :mod:`ftrt.agents.workers.procs`; a :class:`Worker` is one such process as the pool sees it: its
 state and, once assigned, its rank, round and progress. The assignment travels on the worker's
 control channel (:meth:`Proc.send <ftrt.agents.workers.procs.Proc.send>`, one JSON line); that is
-also where a running worker would get its next round, were it to keep running across rounds.
+also where a worker kept in place gets its next round (:meth:`WorkerPool.hand_round`,
+:mod:`ftrt.agents.workers.keep`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import IO, Callable
 
 from ftrt import _diag, reports
+from ftrt.control import NewRound, encode
 from ftrt.agents.workers.procs import Proc, Spawned, spawn_bootstrap, stop
 from ftrt.agents.workers.template import SpareTemplate, TemplateError, spawn_template
 from ftrt.agents.workers.warmup import IDLE_WARM_GRACE
@@ -71,7 +73,13 @@ class Worker:
     """Killed past ``--teardown-timeout`` after it said it was done: its exit counts as success."""
     polls_boundary: bool = False
     """It polls the round-end file (:mod:`ftrt.agents.workers.boundary`): a planned round waits for it."""
+    in_place: bool = False
+    """It changes rounds without exiting (:class:`~ftrt.reports.InPlace`): a new round is handed to it."""
+    took_round: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once it acknowledged the round it was last handed (:meth:`WorkerPool.hand_round`)."""
     assigned_at: float = 0.0
+    since_round: int = 0
+    """The round this process was first assigned in (it may have taken later ones in place)."""
     stopping: bool = False
 
     @property
@@ -113,6 +121,11 @@ class Worker:
                     log.info("rank %d is done (step %s); its teardown is not judged for hangs", self.rank, step)
             case reports.Boundary():
                 self.polls_boundary = True
+            case reports.InPlace():
+                self.in_place = True
+            case reports.Reconfigured(round=round_no):
+                if round_no == self.round:
+                    self.took_round.set()
 
 
 class WorkerPool:
@@ -335,16 +348,20 @@ class WorkerPool:
     def warm_count(self) -> int:
         return sum(1 for w in self.spares if w.ready.is_set() and w.exit_code is None)
 
-    async def take(self) -> list[Worker]:
-        """``nproc`` workers for a round, index 0 holding a TCPStore; cold-started if needed."""
+    async def take(self, count: int | None = None, *, store: bool = True) -> list[Worker]:
+        """``count`` workers for a round (default ``nproc``), index 0 holding a TCPStore when
+        ``store`` (it becomes local rank 0); cold-started if needed."""
+        count = self.nproc if count is None else count
         await self._awaiting_template(boost=True)
         alive = [w for w in self.spares if w.exit_code is None]
         store_holders = [w for w in alive if w.hosts_store]
-        first = store_holders[0] if store_holders else self._spawn(hosts_store=True, idle=False)
-        rest = [w for w in alive if w is not first][: self.nproc - 1]
-        while len(rest) < self.nproc - 1:
+        first: list[Worker] = []
+        if store and count > 0:
+            first = [store_holders[0] if store_holders else self._spawn(hosts_store=True, idle=False)]
+        rest = [w for w in alive if w not in first][: count - len(first)]
+        while len(first) + len(rest) < count:
             rest.append(self._spawn(hosts_store=False, idle=False))
-        chosen = [first, *rest]
+        chosen = [*first, *rest]
         self.spares = [w for w in self.spares if w not in chosen and w.exit_code is None]
         for w in chosen:
             if not w.ready.is_set():
@@ -356,6 +373,7 @@ class WorkerPool:
                script: str | None, module: str | None, argv: tuple[str, ...]) -> None:
         """Send the worker its job; it starts running the script as soon as it is warm."""
         worker.local_rank, worker.rank, worker.round = local_rank, rank, round_no
+        worker.since_round = round_no
         worker.state = WorkerState.RUNNING
         worker.assigned_at = time.monotonic()
         if self.log_dir:
@@ -368,8 +386,27 @@ class WorkerPool:
                                  "module": module, "cwd": os.getcwd()})
         if not sent:  # it died meanwhile: its exit is reported as usual
             log.warning("could not hand rank %d to worker pid %d: it is gone", rank, worker.pid)
-        worker.proc.close_control()  # one round per process: a worker that would take another keeps it open
-        self.running.append(worker)
+        self.running.append(worker)  # its control pipe stays open: it may take later rounds in place
+
+    def hand_round(self, worker: Worker, *, local_rank: int, rank: int, round_no: int, env: dict[str, str]) -> bool:
+        """Hand a running worker that changes rounds in place its next round (:mod:`ftrt.control`);
+        :attr:`Worker.took_round` is set once it acknowledged. False if it can no longer hear it."""
+        worker.local_rank, worker.rank, worker.round = local_rank, rank, round_no
+        worker.assigned_at = time.monotonic()
+        worker.took_round = asyncio.Event()
+        if self.log_dir:
+            path = Path(self.log_dir) / f"round-{round_no}" / f"rank-{rank}.log"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            worker.proc.log_to(str(path), f"[rank{rank}]: ".encode())
+        else:
+            worker.proc.prefix = f"[rank{rank}]: ".encode()
+        return worker.proc.send_line(encode(NewRound(round_no, env)))
+
+    async def retire(self, workers: list[Worker], grace: float) -> None:
+        """Stop some of the running workers (the others stay in the round): SIGTERM, then SIGKILL
+        after ``grace`` (0: SIGKILL now); their exits are not reported as failures."""
+        self.running = [w for w in self.running if w not in workers]
+        await self._stop(workers, grace)
 
     def give_back(self, workers: list[Worker]) -> None:
         """Return workers :meth:`take` handed out and that were not assigned (the round moved on):
@@ -393,6 +430,23 @@ class WorkerPool:
         if live:
             await asyncio.wait([asyncio.ensure_future(w.exited.wait()) for w in live], timeout=timeout)
         return all(w.exited.is_set() for w in workers)
+
+    async def wait_taken(self, workers: list[Worker], timeout: float) -> None:
+        """Wait until each of ``workers`` took the round it was handed (or exited), at most ``timeout`` s."""
+
+        async def one(w: Worker) -> None:
+            events = [asyncio.ensure_future(w.took_round.wait()), asyncio.ensure_future(w.exited.wait())]
+            try:
+                await asyncio.wait(events, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for e in events:
+                    e.cancel()
+
+        waits = [asyncio.ensure_future(one(w)) for w in workers if not (w.took_round.is_set() or w.exited.is_set())]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=timeout)
+            for task in pending:
+                task.cancel()
 
     async def discard(self, workers: list[Worker]) -> None:
         """Kill workers taken for a round that cannot use them (one that never started)."""

@@ -10,7 +10,8 @@ before any event loop exists), a process becomes a :class:`Proc` once the agent'
 - its stdout and stderr lines go to the agent's stdout with a prefix (``[warm]: `` until it is
   given a rank, then ``[rankN]: ``), and to a per-round log file when there is one;
 - its report pipe is decoded line by line (:func:`ftrt.reports.decode`) and handed on;
-- its control pipe carries the agent's messages to it (one JSON line each: today the assignment);
+- its control pipe carries the agent's messages to it (one JSON line each: the assignment, then
+  the rounds a worker kept in place takes, :mod:`ftrt.control`);
 - its exit is awaited without a thread (a pidfd; a forked spare's code comes from its template).
 
 A process is in its own process group: signals go to the group, so its children go with it.
@@ -160,10 +161,14 @@ class Proc:
     def send(self, message: dict) -> bool:
         """Write one message (a JSON line) on its control pipe; False if it can no longer hear it
         (it exited: its exit is reported as usual)."""
+        return self.send_line((json.dumps(message) + "\n").encode())
+
+    def send_line(self, line: bytes) -> bool:
+        """Write one encoded line on its control pipe (:meth:`send`)."""
         if self._control_fd < 0:
             return False
         try:
-            os.write(self._control_fd, (json.dumps(message) + "\n").encode())
+            os.write(self._control_fd, line)
             return True
         except OSError:
             return False

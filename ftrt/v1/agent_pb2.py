@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x66trt/v1/agent.proto\x12\x07\x66trt.v1\"\x8b\x01\n\x0cWorkerStatus\x12\x12\n\nlocal_rank\x18\x01 \x01(\x05\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x1c\n\x14last_heartbeat_age_s\x18\x06 \x01(\x01\x12\x11\n\texit_code\x18\x07 \x01(\x05\"\x0f\n\rHealthRequest\"n\n\x0eHealthResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x10\n\x08uptime_s\x18\x06 \x01(\x01\"\x0f\n\rStatusRequest\"\xc7\x01\n\x0eStatusResponse\x12\'\n\x06health\x18\x01 \x01(\x0b\x32\x17.ftrt.v1.HealthResponse\x12\x12\n\ngroup_rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x10\n\x08restarts\x18\x04 \x01(\x05\x12\x14\n\x0cmax_restarts\x18\x05 \x01(\x05\x12&\n\x07workers\x18\x06 \x03(\x0b\x32\x15.ftrt.v1.WorkerStatus\x12\x14\n\x0cwarm_workers\x18\x07 \x01(\x05\";\n\x0fLivenessRequest\x12\x14\n\x0c\x66rom_node_id\x18\x01 \x01(\t\x12\x12\n\ninterval_s\x18\x02 \x01(\x01\"<\n\x0cLivenessBeat\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0c\n\x04time\x18\x03 \x01(\x01\"p\n\x0cReplicaChunk\x12\x13\n\x0bsource_node\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x12\n\nindex_json\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\t\"\x1b\n\nReplicaAck\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x32\xff\x01\n\x0c\x41gentService\x12\x39\n\x06Health\x12\x16.ftrt.v1.HealthRequest\x1a\x17.ftrt.v1.HealthResponse\x12\x39\n\x06Status\x12\x16.ftrt.v1.StatusRequest\x1a\x17.ftrt.v1.StatusResponse\x12=\n\x08Liveness\x12\x18.ftrt.v1.LivenessRequest\x1a\x15.ftrt.v1.LivenessBeat0\x01\x12:\n\nPutReplica\x12\x15.ftrt.v1.ReplicaChunk\x1a\x13.ftrt.v1.ReplicaAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x66trt/v1/agent.proto\x12\x07\x66trt.v1\"\xa0\x01\n\x0cWorkerStatus\x12\x12\n\nlocal_rank\x18\x01 \x01(\x05\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x1c\n\x14last_heartbeat_age_s\x18\x06 \x01(\x01\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x13\n\x0bsince_round\x18\x08 \x01(\x05\"\x0f\n\rHealthRequest\"n\n\x0eHealthResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x10\n\x08uptime_s\x18\x06 \x01(\x01\"\x0f\n\rStatusRequest\"\xc7\x01\n\x0eStatusResponse\x12\'\n\x06health\x18\x01 \x01(\x0b\x32\x17.ftrt.v1.HealthResponse\x12\x12\n\ngroup_rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x10\n\x08restarts\x18\x04 \x01(\x05\x12\x14\n\x0cmax_restarts\x18\x05 \x01(\x05\x12&\n\x07workers\x18\x06 \x03(\x0b\x32\x15.ftrt.v1.WorkerStatus\x12\x14\n\x0cwarm_workers\x18\x07 \x01(\x05\";\n\x0fLivenessRequest\x12\x14\n\x0c\x66rom_node_id\x18\x01 \x01(\t\x12\x12\n\ninterval_s\x18\x02 \x01(\x01\"<\n\x0cLivenessBeat\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0c\n\x04time\x18\x03 \x01(\x01\"p\n\x0cReplicaChunk\x12\x13\n\x0bsource_node\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x12\n\nindex_json\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\t\"\x1b\n\nReplicaAck\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x32\xff\x01\n\x0c\x41gentService\x12\x39\n\x06Health\x12\x16.ftrt.v1.HealthRequest\x1a\x17.ftrt.v1.HealthResponse\x12\x39\n\x06Status\x12\x16.ftrt.v1.StatusRequest\x1a\x17.ftrt.v1.StatusResponse\x12=\n\x08Liveness\x12\x18.ftrt.v1.LivenessRequest\x1a\x15.ftrt.v1.LivenessBeat0\x01\x12:\n\nPutReplica\x12\x15.ftrt.v1.ReplicaChunk\x1a\x13.ftrt.v1.ReplicaAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ftrt.v1.agent_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERSTATUS']._serialized_start=33
-  _globals['_WORKERSTATUS']._serialized_end=172
-  _globals['_HEALTHREQUEST']._serialized_start=174
-  _globals['_HEALTHREQUEST']._serialized_end=189
-  _globals['_HEALTHRESPONSE']._serialized_start=191
-  _globals['_HEALTHRESPONSE']._serialized_end=301
-  _globals['_STATUSREQUEST']._serialized_start=303
-  _globals['_STATUSREQUEST']._serialized_end=318
-  _globals['_STATUSRESPONSE']._serialized_start=321
-  _globals['_STATUSRESPONSE']._serialized_end=520
-  _globals['_LIVENESSREQUEST']._serialized_start=522
-  _globals['_LIVENESSREQUEST']._serialized_end=581
-  _globals['_LIVENESSBEAT']._serialized_start=583
-  _globals['_LIVENESSBEAT']._serialized_end=643
-  _globals['_REPLICACHUNK']._serialized_start=645
-  _globals['_REPLICACHUNK']._serialized_end=757
-  _globals['_REPLICAACK']._serialized_start=759
-  _globals['_REPLICAACK']._serialized_end=786
-  _globals['_AGENTSERVICE']._serialized_start=789
-  _globals['_AGENTSERVICE']._serialized_end=1044
+  _globals['_WORKERSTATUS']._serialized_end=193
+  _globals['_HEALTHREQUEST']._serialized_start=195
+  _globals['_HEALTHREQUEST']._serialized_end=210
+  _globals['_HEALTHRESPONSE']._serialized_start=212
+  _globals['_HEALTHRESPONSE']._serialized_end=322
+  _globals['_STATUSREQUEST']._serialized_start=324
+  _globals['_STATUSREQUEST']._serialized_end=339
+  _globals['_STATUSRESPONSE']._serialized_start=342
+  _globals['_STATUSRESPONSE']._serialized_end=541
+  _globals['_LIVENESSREQUEST']._serialized_start=543
+  _globals['_LIVENESSREQUEST']._serialized_end=602
+  _globals['_LIVENESSBEAT']._serialized_start=604
+  _globals['_LIVENESSBEAT']._serialized_end=664
+  _globals['_REPLICACHUNK']._serialized_start=666
+  _globals['_REPLICACHUNK']._serialized_end=778
+  _globals['_REPLICAACK']._serialized_start=780
+  _globals['_REPLICAACK']._serialized_end=807
+  _globals['_AGENTSERVICE']._serialized_start=810
+  _globals['_AGENTSERVICE']._serialized_end=1065
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("local_rank", "rank", "pid", "state", "step", "last_heartbeat_age_s", "exit_code")
+    __slots__ = ("local_rank", "rank", "pid", "state", "step", "last_heartbeat_age_s", "exit_code", "since_round")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class WorkerStatus(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_ROUND_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     rank: int
     pid: int
@@ -22,7 +23,8 @@ class WorkerStatus(_message.Message):
     step: int
     last_heartbeat_age_s: float
     exit_code: int
-    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., exit_code: _Optional[int] = ...) -> None: ...
+    since_round: int
+    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., exit_code: _Optional[int] = ..., since_round: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,42 @@
+"""Which of a node's workers take the next round in place (pure).
+
+Under ``--recovery in-place`` a round change replaces only the workers that cannot go on: the ones
+that exited, and all of them when any live one has not said it changes rounds in place (a script
+that never calls :meth:`ftrt.Runtime.init_process_group` keeps today's restart semantics, and a
+node does not run half its ranks one way and half the other). The workers kept get the new round
+over their control pipe (:meth:`~ftrt.agents.workers.pool.WorkerPool.hand_round`); spares take the
+places of the others.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+
+class Kept(Protocol):
+    """What the decision reads of a worker (:class:`~ftrt.agents.workers.pool.Worker`)."""
+
+    local_rank: int
+    in_place: bool
+    stopping: bool
+    hosts_store: bool
+    done_at: float | None
+
+    @property
+    def exit_code(self) -> int | None: ...
+
+
+def keep_in_place(running: Sequence[Kept], *, nproc: int, recovery: str, holds_store: bool) -> dict[int, Kept]:
+    """The workers of ``running`` that take the next round in place, by local rank; empty: replace
+    every worker (``--recovery restart``, none alive, a live one that does not change rounds in
+    place, one that is finishing its work, or a local rank 0 that cannot serve the round's store
+    when this node must: ``holds_store``)."""
+    if recovery != "in-place":
+        return {}
+    alive = [w for w in running if w.exit_code is None and not w.stopping]
+    if not alive or not all(w.in_place and w.done_at is None for w in alive):
+        return {}
+    kept = {w.local_rank: w for w in alive if 0 <= w.local_rank < nproc}
+    if holds_store and 0 in kept and not kept[0].hosts_store:
+        return {}
+    return kept

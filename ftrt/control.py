@@ -1,0 +1,133 @@
+"""The agent -> worker control messages after the assignment: the one owner of their shape and
+wire form, and the worker's end of the channel.
+
+A worker's control pipe (``FTRT_CONTROL_FD``) first carries its assignment
+(:mod:`ftrt.agents.workers._bootstrap`). A worker that changes rounds in place
+(:meth:`ftrt.Runtime.init_process_group` under ``ftrt launch --recovery in-place``) keeps reading
+it: each later round reaches it as one :class:`NewRound` JSON line, the round's number and the
+worker's new torchrun/ftrt environment (:func:`ftrt.agents.workers.env.worker_env`). The worker
+acknowledges with :class:`ftrt.reports.Reconfigured` once its new process group is up.
+
+Only the newest round matters: rounds the worker missed while it trained are skipped. The agent
+is the only writer; what it sends is still checked (:func:`decode`), as everything read from a pipe.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import select
+import stat
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}\Z")
+
+
+@dataclass(frozen=True)
+class NewRound:
+    """The worker's next round: its number and the environment the worker runs in from then on
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``FTRT_ROUND``...)."""
+
+    round: int
+    env: Mapping[str, str]
+
+    TYPE = "round"
+
+
+def encode(message: NewRound) -> bytes:
+    """One message as its JSON line."""
+    return (json.dumps({"t": message.TYPE, "round": message.round, "env": dict(message.env)},
+                       separators=(",", ":")) + "\n").encode()
+
+
+def decode(line: bytes | str) -> NewRound | None:
+    """The message on one JSON line, or None when it is not one this version knows or is malformed
+    (a round that is not a non-negative integer, an environment that is not upper-case names to
+    strings). Never raises."""
+    try:
+        body = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(body, dict) or body.get("t") != NewRound.TYPE:
+        return None
+    rnd, env = body.get("round"), body.get("env")
+    if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0 or not isinstance(env, dict):
+        return None
+    if not all(isinstance(k, str) and _NAME.match(k) and isinstance(v, str) for k, v in env.items()):
+        return None
+    return NewRound(rnd, dict(env))
+
+
+class ControlChannel:
+    """The worker's end of its control pipe, after the assignment: non-blocking, newest round wins.
+
+    ``after``: rounds up to this one are old news (the worker runs in it already)."""
+
+    def __init__(self, fd: int, after: int) -> None:
+        self.fd = fd
+        self.after = after
+        self.closed = False
+        """The agent closed the pipe (it is gone, or this worker will not get another round)."""
+        self._buffer = b""
+        self._pending: NewRound | None = None
+        os.set_blocking(fd, False)
+
+    @classmethod
+    def open(cls, fd: int, after: int) -> "ControlChannel | None":
+        """The channel on ``fd`` if it is a pipe this process holds, else None (e.g. a child process
+        that inherited the variable but not the descriptor)."""
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                return None
+        except OSError:
+            return None
+        return cls(fd, after)
+
+    def poll(self) -> NewRound | None:
+        """The newest round the agent sent and nobody took yet, without waiting (one read)."""
+        self._read()
+        return self._pending
+
+    def take(self) -> NewRound | None:
+        """Like :meth:`poll`, and the round is then taken: later polls see only newer rounds."""
+        message = self.poll()
+        if message is not None:
+            self._pending, self.after = None, message.round
+        return message
+
+    def wait(self, timeout: float) -> NewRound | None:
+        """Wait up to ``timeout`` seconds for a new round (:meth:`poll` until one came); None if
+        none came or the pipe closed."""
+        deadline = time.monotonic() + timeout
+        while (message := self.poll()) is None and not self.closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            select.select([self.fd], [], [], left)
+        return message
+
+    def _read(self) -> None:
+        while not self.closed:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EBADF, errno.EINVAL):
+                    self.closed = True
+                    return
+                raise
+            if not chunk:
+                self.closed = True
+                return
+            self._buffer += chunk
+            *lines, self._buffer = self._buffer.split(b"\n")
+            for line in lines:
+                message = decode(line)
+                if message is not None and message.round > self.after and (
+                        self._pending is None or message.round > self._pending.round):
+                    self._pending = message

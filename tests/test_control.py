@@ -1,0 +1,143 @@
+"""The agent -> worker control channel (ftrt.control) on a real pipe, the worker's side of changing
+rounds in place (ftrt.Runtime.step), and the agent's choice of the workers it keeps (pure)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+
+from ftrt import WorldChanged
+from ftrt.agents.workers.keep import keep_in_place
+from ftrt.control import ControlChannel, NewRound, decode, encode
+from ftrt.runtime import Runtime
+
+
+@pytest.fixture
+def pipe():
+    r, w = os.pipe()
+    yield r, w
+    for fd in (r, w):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def test_a_new_round_travels_as_one_line_and_back():
+    msg = NewRound(7, {"RANK": "3", "WORLD_SIZE": "4", "FTRT_ROUND": "7"})
+    line = encode(msg)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert decode(line) == msg
+
+
+@pytest.mark.parametrize("line", [
+    b"not json", b"[]", b'{"t": "round", "round": -1, "env": {}}', b'{"t": "round", "round": true, "env": {}}',
+    b'{"t": "round", "round": 2, "env": {"rank": "1"}}', b'{"t": "round", "round": 2, "env": {"RANK": 1}}',
+    b'{"t": "round", "round": 2, "env": {"LD_PRELOAD=": "x"}}', b'{"t": "other", "round": 2, "env": {}}',
+    b'{"t": "round", "round": 2}',
+])
+def test_a_malformed_message_is_ignored_not_raised(line):
+    assert decode(line) is None
+
+
+def test_the_newest_round_wins_and_old_ones_are_skipped(pipe):
+    r, w = pipe
+    ch = ControlChannel(r, after=3)
+    assert ch.poll() is None
+    os.write(w, encode(NewRound(3, {})) + encode(NewRound(5, {"RANK": "0"})) + encode(NewRound(4, {})))
+    assert ch.poll() == NewRound(5, {"RANK": "0"})
+    assert ch.take() == NewRound(5, {"RANK": "0"})
+    assert ch.poll() is None  # taken: only newer rounds count now
+    os.write(w, encode(NewRound(5, {})))
+    assert ch.poll() is None
+    half = encode(NewRound(6, {}))
+    os.write(w, half[:5])
+    assert ch.poll() is None  # half a line waits for the rest
+    os.write(w, half[5:])
+    assert ch.take() == NewRound(6, {})
+
+
+def test_wait_returns_on_a_round_or_at_the_timeout_or_when_the_agent_is_gone(pipe):
+    r, w = pipe
+    ch = ControlChannel(r, after=0)
+    assert ch.wait(0.05) is None and not ch.closed
+    os.write(w, encode(NewRound(1, {})))
+    assert ch.wait(5) == NewRound(1, {})
+    ch.take()
+    os.close(w)
+    assert ch.wait(5) is None and ch.closed
+
+
+def test_a_descriptor_that_is_not_a_pipe_is_not_a_channel(tmp_path):
+    with open(tmp_path / "f", "w") as f:
+        assert ControlChannel.open(f.fileno(), after=0) is None
+    assert ControlChannel.open(987, after=0) is None
+
+
+def _in_place(fd: int, timeout: float = 0.2) -> Runtime:
+    return Runtime(launched_by_ftrt=True, recovery="in-place", reconfigure_timeout=timeout, round=1,
+                   _control=ControlChannel(fd, after=1), _group=("gloo", {}))
+
+
+def test_a_step_that_fails_on_its_own_raises_its_own_error(pipe):
+    rt = _in_place(pipe[0])
+    with pytest.raises(RuntimeError, match="the script's own"):
+        with rt.step():
+            raise RuntimeError("the script's own")
+
+
+def test_a_step_that_fails_when_the_world_changed_raises_world_changed(pipe):
+    r, w = pipe
+    rt = _in_place(r, timeout=30)
+    os.write(w, encode(NewRound(2, {"RANK": "0"})))
+    # A round already waiting: the step does not start.
+    with pytest.raises(WorldChanged, match="Round 2 replaced round 1"):
+        with rt.step():
+            raise AssertionError("the step ran although a new round was waiting")
+    rt = _in_place(r, timeout=30)
+    rt._control = ControlChannel(r, after=2)
+    with pytest.raises(WorldChanged, match="during a step: peer gone") as info:
+        with rt.step():
+            os.write(w, encode(NewRound(3, {})))  # the agent's new round comes while the step fails
+            raise RuntimeError("peer gone")
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_outside_in_place_a_step_only_runs_it():
+    rt = Runtime(launched_by_ftrt=True, recovery="restart")
+    with pytest.raises(RuntimeError, match="boom"):
+        with rt.step():
+            raise RuntimeError("boom")
+    assert not rt.world_changed()
+
+
+@dataclass
+class W:
+    local_rank: int
+    in_place: bool = True
+    exit_code: int | None = None
+    stopping: bool = False
+    hosts_store: bool = False
+    done_at: float | None = None
+
+
+def test_the_live_workers_are_kept_and_the_dead_replaced():
+    a, b, c = W(0, hosts_store=True), W(1, exit_code=1), W(2)
+    assert keep_in_place([a, b, c], nproc=3, recovery="in-place", holds_store=True) == {0: a, 2: c}
+
+
+@pytest.mark.parametrize("workers, holds_store, why", [
+    ([W(0), W(1, in_place=False)], False, "a live worker that does not change rounds in place"),
+    ([W(0, exit_code=1), W(1, exit_code=-9)], False, "none alive"),
+    ([W(0, done_at=1.0), W(1)], False, "one is finishing"),
+    ([W(0, hosts_store=False), W(1)], True, "local rank 0 holds no store but this node serves it"),
+    ([W(0, stopping=True), W(1, stopping=True)], False, "all being stopped"),
+])
+def test_every_worker_is_replaced_when(workers, holds_store, why):
+    assert keep_in_place(workers, nproc=2, recovery="in-place", holds_store=holds_store) == {}, why
+
+
+def test_restart_mode_keeps_nobody():
+    assert keep_in_place([W(0, hosts_store=True)], nproc=1, recovery="restart", holds_store=True) == {}
