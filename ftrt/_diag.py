@@ -1,14 +1,16 @@
 """Diagnostic switches: turn one steady-state component off to measure what it costs.
 
-``FTRT_DIAG_OFF=heartbeat,fence,vote,template`` (any subset) is read by the benches' runs,
-nowhere else. Each switch removes a safety mechanism or a saving, so it is for measurement only:
+``FTRT_DIAG_OFF=heartbeat,fence,vote,template,refill`` (any subset) is read by the benches' and
+tests' runs, nowhere else. Each switch removes a safety mechanism or a saving, so it is for measurement only:
 
 - ``heartbeat``: ``rt.heartbeat`` sends nothing (no hang detection, no steps in ``ftrt status``);
 - ``fence``: workers run no fence watchdog (a frozen node's workers outlive its lease);
 - ``vote``: ``Checkpointer.save(skip_if_busy=True)`` decides on this rank's view alone, without
   the collective that also orders memory checkpoints after every rank's previous step;
 - ``template``: the agent starts every spare as a new Python process instead of forking it from
-  its spare template (:mod:`ftrt.agents.workers.template`), as before 2026-12-03.
+  its spare template (:mod:`ftrt.agents.workers.template`), as before 2026-12-03;
+- ``refill``: the agent does not replace the spares a round used, so a later fault surely meets
+  no warm spare (a test of the cold path that must not depend on how fast spares warm).
 
 ``FTRT_DIAG_TRACE=PATH`` makes :func:`mark` append one JSON line per phase of a worker's start
 (assigned, process group, restore, first step) to ``PATH``, so a bench can split a pause into its
@@ -26,7 +28,7 @@ import time
 from ftrt import envnames
 
 ENV = envnames.DIAG_OFF
-COMPONENTS = ("heartbeat", "fence", "vote", "template")
+COMPONENTS = ("heartbeat", "fence", "vote", "template", "refill")
 
 
 def parse(raw: str) -> frozenset[str]:

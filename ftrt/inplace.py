@@ -32,8 +32,6 @@ from ftrt.errors import WorldChanged
 if TYPE_CHECKING:
     import torch
 
-    from ftrt.control import NewRound
-
 
 class Waits(Protocol):
     """What :func:`allreduce_hook` needs of its state: :meth:`ftrt.Runtime.wait`."""
@@ -45,9 +43,10 @@ WAIT_SLICE_S = 0.1
 frozen peer notices its new round, at the cost of one timed-out wait per slice while it waits."""
 
 
-def wait_leaving(work: Any, new_round: "Callable[[], NewRound | None]", round_no: int) -> None:
+def wait_leaving(work: Any, gone: "Callable[[], str | None]") -> None:
     """Wait for ``work`` in slices of :data:`WAIT_SLICE_S`; raise :class:`~ftrt.WorldChanged` when
-    ``new_round()`` returns a round between two slices. A failed collective raises its own error."""
+    ``gone()`` says, between two slices, why the collective will not complete. A failed collective
+    raises its own error."""
     slice_ = timedelta(seconds=WAIT_SLICE_S)
     while True:
         try:
@@ -56,10 +55,9 @@ def wait_leaving(work: Any, new_round: "Callable[[], NewRound | None]", round_no
         except RuntimeError as exc:
             if "timed out" not in str(exc).lower():
                 raise  # the collective failed (a dead peer): the step's error
-        new = new_round()
-        if new is not None:
-            raise WorldChanged(f"Round {new.round} replaced round {round_no} while a collective waited "
-                               "(a peer stopped answering).")
+        why = gone()
+        if why is not None:
+            raise WorldChanged(f"{why} while a collective waited.")
 
 
 def leave_group() -> None:
@@ -86,7 +84,7 @@ def leave_group() -> None:
     dist.destroy_process_group()
 
 
-def allreduce_hook(rt: Waits, bucket):  # noqa: ANN001: DDP refuses any annotation but its own classes
+def allreduce_hook(rt: Waits, bucket):  # unannotated: DDP refuses any annotation but its own classes
     """A DDP communication hook (``model.register_comm_hook(rt, allreduce_hook)``) that averages the
     gradients as DDP's default does, with the bounded wait of :meth:`ftrt.Runtime.wait`, so a
     backward pass on a frozen peer ends in :class:`~ftrt.WorldChanged` instead of blocking. The

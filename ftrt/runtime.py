@@ -215,6 +215,8 @@ class Runtime:
         except RuntimeError as exc:
             if not self.in_place:
                 raise
+            if self.draining():  # the others went on without this node: no round will come
+                raise WorldChanged(f"This node is leaving the job; round {self.round} went on without it: {exc}") from exc
             new = self._control.wait(self.reconfigure_timeout)  # type: ignore[union-attr]
             if new is None:
                 raise
@@ -227,22 +229,38 @@ class Runtime:
         A collective whose peer is frozen (SIGSTOP, a hung host) neither completes nor fails on
         gloo, and ``abort()`` does not free it; a bounded wait does. Here the wait is cut in slices
         of :data:`ftrt.inplace.WAIT_SLICE_S`, between which the control pipe is read (one
-        non-blocking read). When not :attr:`in_place` it is ``work.wait()``."""
+        non-blocking read). On a node that is leaving it also ends once the round without it is
+        written (the other ranks went on). When not :attr:`in_place` it is ``work.wait()``."""
         if not self.in_place:
             work.wait()
             return
         from ftrt.inplace import wait_leaving
 
-        wait_leaving(work, self._control.poll, self.round)  # type: ignore[union-attr]
+        wait_leaving(work, self._gone)
+
+    def _gone(self) -> str | None:
+        """Why this worker's round went on without it, or None: a new round waits for it, or its node
+        is leaving and the round without it is written (its agent asks the round to end)."""
+        new = self._control.poll()  # type: ignore[union-attr]
+        if new is not None:
+            return f"Round {new.round} replaced round {self.round}"
+        if self.draining() and self.round_ending():
+            return f"This node is leaving the job; round {self.round} went on without it"
+        return None
 
     def reconfigure(self, timeout: float | None = None) -> int:
         """Take the new round in place: wait for it (at most ``timeout`` s, default
         ``--reconfigure-timeout``), destroy the old default process group, take the new rank, world
         size and round, and make the new group with the same backend and options. Returns the new
-        round. Rebuild what wraps the group afterwards (DDP), after :func:`ftrt.sync_state`."""
+        round. Rebuild what wraps the group afterwards (DDP), after :func:`ftrt.sync_state`.
+
+        On a node that is leaving (:meth:`draining`) there is no next round for this worker: it
+        ends here, as :meth:`exit_for_round` (exit code 0)."""
         if not self.in_place:
             raise FtrtError("Runtime.reconfigure works only under ftrt launch --recovery in-place, after "
                             "rt.init_process_group(); restart the worker instead.")
+        if self.draining():
+            self.exit_for_round()
         control = self._control
         wait = self.reconfigure_timeout if timeout is None else timeout
         if control.poll() is None:  # type: ignore[union-attr]

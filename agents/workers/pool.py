@@ -306,7 +306,7 @@ class WorkerPool:
         """Replace used spares at idle priority, ``delay`` seconds after the round started and once
         every running worker has heartbeaten (at most :data:`REFILL_PROGRESS_WAIT` more); boost
         them to normal priority if they are not warm ``idle_grace`` seconds later."""
-        if not self.warm or self._closed:
+        if not self.warm or self._closed or _diag.off("refill"):
             return
         if self._refill is not None and not self._refill.done():
             return
@@ -372,16 +372,9 @@ class WorkerPool:
     def assign(self, worker: Worker, *, local_rank: int, rank: int, round_no: int, env: dict[str, str],
                script: str | None, module: str | None, argv: tuple[str, ...]) -> None:
         """Send the worker its job; it starts running the script as soon as it is warm."""
-        worker.local_rank, worker.rank, worker.round = local_rank, rank, round_no
+        self._place(worker, local_rank=local_rank, rank=rank, round_no=round_no)
         worker.since_round = round_no
         worker.state = WorkerState.RUNNING
-        worker.assigned_at = time.monotonic()
-        if self.log_dir:
-            path = Path(self.log_dir) / f"round-{round_no}" / f"rank-{rank}.log"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            worker.proc.log_to(str(path), f"[rank{rank}]: ".encode())
-        else:
-            worker.proc.prefix = f"[rank{rank}]: ".encode()
         sent = worker.proc.send({"env": env, "argv": list(argv), "script": os.path.abspath(script) if script else None,
                                  "module": module, "cwd": os.getcwd()})
         if not sent:  # it died meanwhile: its exit is reported as usual
@@ -391,16 +384,20 @@ class WorkerPool:
     def hand_round(self, worker: Worker, *, local_rank: int, rank: int, round_no: int, env: dict[str, str]) -> bool:
         """Hand a running worker that changes rounds in place its next round (:mod:`ftrt.control`);
         :attr:`Worker.took_round` is set once it acknowledged. False if it can no longer hear it."""
+        self._place(worker, local_rank=local_rank, rank=rank, round_no=round_no)
+        worker.took_round = asyncio.Event()
+        return worker.proc.send_line(encode(NewRound(round_no, env)))
+
+    def _place(self, worker: Worker, *, local_rank: int, rank: int, round_no: int) -> None:
+        """Give ``worker`` its rank in round ``round_no``: its fields, and where its output goes."""
         worker.local_rank, worker.rank, worker.round = local_rank, rank, round_no
         worker.assigned_at = time.monotonic()
-        worker.took_round = asyncio.Event()
         if self.log_dir:
             path = Path(self.log_dir) / f"round-{round_no}" / f"rank-{rank}.log"
             path.parent.mkdir(parents=True, exist_ok=True)
             worker.proc.log_to(str(path), f"[rank{rank}]: ".encode())
         else:
             worker.proc.prefix = f"[rank{rank}]: ".encode()
-        return worker.proc.send_line(encode(NewRound(round_no, env)))
 
     async def retire(self, workers: list[Worker], grace: float) -> None:
         """Stop some of the running workers (the others stay in the round): SIGTERM, then SIGKILL

@@ -180,8 +180,11 @@ class Proc:
             self._control_fd = -1
 
     def log_to(self, path: str, prefix: bytes) -> None:
-        """From now on, its output lines start with ``prefix`` and are also appended to ``path``."""
+        """From now on, its output lines start with ``prefix`` and are also appended to ``path``
+        (instead of the file before, a worker that took a new round in place)."""
         self.prefix = prefix
+        if self._log is not None:
+            self._log.close()
         self._log = open(path, "ab")
 
     # -- signals --------------------------------------------------------------------------------

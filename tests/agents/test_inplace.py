@@ -8,6 +8,9 @@ rank of a step holds the same weights (a newcomer or a rank one step behind got 
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 
 from tests.agents.harness import Progress, ddp_args, wait_until
@@ -56,7 +59,10 @@ def test_a_worker_crash_replaces_only_that_worker(tmp_path, make_node):
     assert "kept in place" in log and "exited with code 1" in log
 
 
-def test_a_lost_node_leaves_the_survivors_running_in_their_processes(tmp_path, make_node):
+@pytest.mark.parametrize("holds_rank0", [False, True], ids=["other", "rank0-store"])
+def test_a_lost_node_leaves_the_survivors_running_in_their_processes(tmp_path, make_node, holds_rank0):
+    """Also when the lost node held rank 0 and the round's store: the next round's store is the one
+    the new first node's kept worker already serves."""
     progress = Progress(tmp_path / "p.jsonl")
     script = in_place_args(progress, 160)
     nodes = {nid: make_node(nid, script) for nid in ("n0", "n1", "n2")}
@@ -65,13 +71,15 @@ def test_a_lost_node_leaves_the_survivors_running_in_their_processes(tmp_path, m
     wait_until(lambda: all(n.warm() for n in nodes.values()), 30, "warm spares")
     wait_until(lambda: max(x["step"] for x in progress.lines()) >= 30, 60, "step 30")
     pids = {x["rank"]: x["pid"] for x in progress.lines() if x["world"] == 3}
-    [lost] = [pid for pid in pids.values() if pid in nodes["n1"].tree()]
-    killed_at = nodes["n1"].kill()
+    victim = next(nid for nid, n in nodes.items() if (pids[0] in n.tree()) == holds_rank0)
+    [lost] = [pid for pid in pids.values() if pid in nodes[victim].tree()]
+    killed_at = nodes[victim].kill()
     wait_until(lambda: progress.stepping(world=2, ranks=2, since=killed_at), 30, "both survivors stepping at world 2")
-    status = nodes["n0"].agent_status()  # what `ftrt status` shows: the same process, since round 1
+    survivors = [nid for nid in nodes if nid != victim]
+    status = nodes[survivors[0]].agent_status()  # what `ftrt status` shows: the same process, since round 1
     [worker] = [w for w in status.workers if w.rank >= 0]
     assert (status.health.round, worker.since_round) == (2, 1), status
-    for nid in ("n0", "n2"):
+    for nid in survivors:
         assert nodes[nid].wait(90) == 0, nodes[nid].log()
     assert_every_step_once_with_one_state(progress, 160)
     after = {x["pid"] for x in progress.lines() if x["world"] == 2}
@@ -134,3 +142,24 @@ def test_a_frozen_node_is_left_behind_in_place_and_rejoins_in_place(tmp_path, ma
         assert nodes[nid].wait(90) == 0, nodes[nid].log()
     assert_every_step_once_with_one_state(progress, 400)
     assert "restarted" not in nodes["n0"].log()
+
+
+def test_a_drained_node_leaves_and_the_others_keep_their_processes(tmp_path, make_node):
+    progress = Progress(tmp_path / "p.jsonl")
+    script = in_place_args(progress, 300, ("--boundary", "--ckpt-every", "10"))
+    # A 10 s lease: the drain, not a lease lost on a busy machine, is what changes the world here.
+    nodes = {nid: make_node(nid, script, extra=("--lease-ttl", "10", "--first-round-wait", "120"))
+             for nid in ("n0", "n1", "n2")}
+    wait_until(lambda: progress.stepping(world=3, ranks=3), 90, "three ranks stepping at world 3")
+    wait_until(lambda: max(x["step"] for x in progress.lines()) >= 30, 60, "step 30")
+    pids = {x["rank"]: x["pid"] for x in progress.lines() if x["world"] == 3}
+    [leaving] = [pid for pid in pids.values() if pid in nodes["n1"].tree()]
+    asked_at = time.time()
+    nodes["n1"].proc.send_signal(signal.SIGTERM)
+    assert nodes["n1"].wait(60) == 0, nodes["n1"].log()
+    wait_until(lambda: progress.stepping(world=2, ranks=2, since=asked_at), 30, "both others stepping at world 2")
+    for nid in ("n0", "n2"):
+        assert nodes[nid].wait(90) == 0, nodes[nid].log()
+    assert_every_step_once_with_one_state(progress, 300)
+    after = {x["pid"] for x in progress.lines() if x["world"] == 2}
+    assert after == set(pids.values()) - {leaving}, f"before {pids}, after {after}"
