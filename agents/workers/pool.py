@@ -352,6 +352,8 @@ class WorkerPool:
         """``count`` workers for a round (default ``nproc``), index 0 holding a TCPStore when
         ``store`` (it becomes local rank 0); cold-started if needed."""
         count = self.nproc if count is None else count
+        if count == 0:
+            return []  # every worker kept in place: nothing to wait for (a template still warming)
         await self._awaiting_template(boost=True)
         alive = [w for w in self.spares if w.exit_code is None]
         store_holders = [w for w in alive if w.hosts_store]
