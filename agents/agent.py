@@ -45,7 +45,6 @@ from ftrt.agents.states import (
 from ftrt.agents.workers.boundary import boundary_timeout, planned_change
 from ftrt.agents.workers.env import recorded_error, worker_env
 from ftrt.agents.workers.hangs import find_hung
-from ftrt.agents.workers.keep import keep_in_place
 from ftrt.agents.workers.warmup import change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, WorkerFailure
@@ -307,11 +306,8 @@ class Agent:
         self.log.warning("worker %s in round %d: %s; asking for a restart", kind, failed, detail)
         p.metrics.fault(f"worker_{kind}")
         p.events.emit(f"worker_{kind}", detail, round=failed, evidence=detail)
-        kept = keep_in_place(p.pool.running, nproc=self.cfg.nproc_per_node, recovery=self.cfg.recovery,
-                             holds_store=False) if kind == "failure" else {}
-        if kept:  # the live workers wait in place for the restarted round; only the failed one goes
-            await p.pool.retire([w for w in p.pool.running if w not in kept.values()], 0.0)
-        else:
+        # After an exit, the live workers wait in place for the restarted round; only the failed one goes.
+        if kind != "failure" or not await p.pool.keep(recovery=self.cfg.recovery, holds_store=False):
             await p.pool.stop_running(self.cfg.restart_grace)
         current = p.rdzv.view.round
         if self.state.seen_round != failed or current is None or current.round != failed:
@@ -459,11 +455,8 @@ class Agent:
         p = self.parts
         t0 = time.monotonic()
         first = rnd.first == self.cfg.node_id
-        kept = keep_in_place(p.pool.running, nproc=self.cfg.nproc_per_node, recovery=self.cfg.recovery,
-                             holds_store=first)
-        if kept:  # the others are gone already (exited) or failed: make room for spares
-            await p.pool.retire([w for w in p.pool.running if w not in kept.values()], 0.0)
-        elif p.pool.running:
+        kept = await p.pool.keep(recovery=self.cfg.recovery, holds_store=first)
+        if not kept and p.pool.running:
             if (old := self._workers_round()) is not None:
                 await self._end_at_boundary(old, rnd)
             await p.pool.stop_running(self.cfg.restart_grace)

@@ -30,6 +30,7 @@ from typing import IO, Callable
 
 from ftrt import _diag, reports
 from ftrt.control import NewRound, encode
+from ftrt.agents.workers.keep import keep_in_place
 from ftrt.agents.workers.procs import Proc, Spawned, spawn_bootstrap, stop
 from ftrt.agents.workers.template import SpareTemplate, TemplateError, spawn_template
 from ftrt.agents.workers.warmup import IDLE_WARM_GRACE
@@ -401,11 +402,16 @@ class WorkerPool:
         else:
             worker.proc.prefix = f"[rank{rank}]: ".encode()
 
-    async def retire(self, workers: list[Worker], grace: float) -> None:
-        """Stop some of the running workers (the others stay in the round): SIGTERM, then SIGKILL
-        after ``grace`` (0: SIGKILL now); their exits are not reported as failures."""
-        self.running = [w for w in self.running if w not in workers]
-        await self._stop(workers, grace)
+    async def keep(self, *, recovery: str, holds_store: bool) -> dict[int, Worker]:
+        """The running workers that take the next round in place, by local rank
+        (:func:`~ftrt.agents.workers.keep.keep_in_place`); the others (exited, failed) are stopped
+        at once and forgotten, to make room for spares. Empty: nothing kept, nothing stopped."""
+        kept = keep_in_place(self.running, nproc=self.nproc, recovery=recovery, holds_store=holds_store)
+        if kept:
+            gone = [w for w in self.running if w not in kept.values()]
+            self.running = [w for w in self.running if w in kept.values()]
+            await self._stop(gone, 0.0)
+        return kept
 
     def give_back(self, workers: list[Worker]) -> None:
         """Return workers :meth:`take` handed out and that were not assigned (the round moved on):
