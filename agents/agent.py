@@ -43,8 +43,9 @@ from ftrt.agents.states import (
     AgentState, Drain, Draining, Ended, Fenced, Finished, Running, Starting, State, Waiting, check_transition,
 )
 from ftrt.agents.workers.boundary import boundary_timeout, planned_change
-from ftrt.agents.workers.env import recorded_error, worker_env
+from ftrt.agents.workers.env import pending_env, recorded_error, worker_env
 from ftrt.agents.workers.hangs import find_hung
+from ftrt.agents.workers.keep import job_runs_in_place
 from ftrt.agents.workers.warmup import change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, WorkerFailure
@@ -73,13 +74,15 @@ class Agent:
         self._notice: str | None = None
         """A preemption notice (:mod:`.preemption`), once one came."""
         self._background: set[asyncio.Task] = set()
+        self._view_loaded = asyncio.Event()
+        """Set once the rendezvous read the job (a node joining decides from it how to start)."""
 
     def status(self) -> AgentStatus:
         """A snapshot for the gRPC service (:class:`~ftrt.agents.peers.service.StatusSource`)."""
         p = self.parts
         return AgentStatus(
             job_id=self.cfg.job_id, node_id=self.cfg.node_id, round=self.state.seen_round,
-            state=self.state.kind.value, current=p.rdzv.view.round, workers=p.pool.running + p.pool.spares,
+            state=self.state.kind.value, current=p.rdzv.view.round, workers=p.pool.running + p.pool.early + p.pool.spares,
             warm_workers=p.pool.warm_count, max_restarts=self.cfg.max_restarts,
         )
 
@@ -101,7 +104,12 @@ class Agent:
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.log.error("%s failed: %r", task.get_coro().__qualname__, exc, exc_info=exc)
 
     # -- entry ----------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -114,6 +122,7 @@ class Agent:
         try:
             await self._join()
             await self.parts.rdzv.start()
+            self._view_loaded.set()
             self._become(Waiting())
             self.log.info(
                 "joined job %r as %s (agent %s, %d worker(s), etcd %s)",
@@ -128,7 +137,10 @@ class Agent:
     async def _join(self) -> None:
         """Take a lease and register this node (a new incarnation)."""
         pool = self.parts.pool
-        ready = (not self.cfg.warm_workers) or pool.warm_count >= self.cfg.nproc_per_node
+        # In place, a node joining a running job may start its workers before it is admitted
+        # (_start_early): it says it is ready only once it looked.
+        ready = ((not self.cfg.warm_workers) or pool.warm_count >= self.cfg.nproc_per_node) and \
+            self.cfg.recovery != "in-place"
         record = await self.parts.membership.join(ready=ready)
         if not record.ready:
             self._spawn(self._announce_ready(record.incarnation))
@@ -136,12 +148,76 @@ class Agent:
     async def _announce_ready(self, incarnation: str) -> None:
         pool, membership = self.parts.pool, self.parts.membership
         await pool.spares_ready()
+        warm_after = time.monotonic() - pool.spares[0].spawned_at if pool.spares else 0.0
+        await self._view_loaded.wait()
+        if self.cfg.recovery == "in-place" and not pool.running and not pool.early and await self._joins_in_place():
+            try:
+                await self._start_early()
+            except (OSError, ValueError) as exc:  # the node still joins: its workers then start once admitted
+                self.log.error("could not start workers before admission: %s", exc)
         record = membership.record
         if record is None or record.incarnation != incarnation or record.ready:
             return
         await membership.update(ready=True)
-        self.log.info("warm workers ready after %.2f s", time.monotonic() - pool.spares[0].spawned_at
-                      if pool.spares else 0.0)
+        self.log.info("warm workers ready after %.2f s", warm_after)
+
+    async def _joins_in_place(self) -> bool:
+        """Whether this node joins a running job whose workers change rounds in place (another node
+        said so in its record), so that its own may start before it is admitted."""
+        p = self.parts
+        rnd = p.rdzv.view.round
+        if rnd is None or not rnd.active or self._included(rnd):
+            return False
+        try:
+            return job_runs_in_place(await p.membership.records(), self.cfg.node_id)
+        except StoreError as exc:
+            self.log.warning("could not read the job's node records (%s); the workers start once admitted", exc)
+            return False
+
+    async def _start_early(self) -> None:
+        """Start this node's workers before it is admitted, and wait (at most ``--join-timeout``)
+        until each has warmed up to :meth:`ftrt.Runtime.init_process_group`: the running ranks then
+        wait only for the new process group, not for a newcomer's start (imports, compilation)."""
+        p, n = self.parts, self.cfg.nproc_per_node
+        t0 = time.monotonic()
+        workers = await p.pool.take(n, store=True)
+        for local_rank, worker in enumerate(workers):
+            p.pool.start_early(worker, local_rank=local_rank, env=pending_env(**self._job_env(local_rank)),
+                               script=self.cfg.script, module=self.cfg.module, argv=self.cfg.script_args)
+        self.log.info("the job's workers change rounds in place: started %d worker(s) (pids %s) before this node's "
+                      "admission, so that they warm up before the running ranks wait for them",
+                      n, [w.pid for w in workers])
+        if await p.pool.wait_in_place(workers, self.cfg.join_timeout):
+            seconds = time.monotonic() - t0
+            self.log.info("workers warmed up before admission in %.2f s", seconds)
+            p.events.emit("workers_warmed", f"{self.cfg.node_id}'s {n} worker(s) warmed up before admission in "
+                          f"{seconds:.2f} s", seconds=round(seconds, 3))
+        else:
+            self.log.warning("the workers started before admission did not all reach rt.init_process_group within "
+                             "%g s (--join-timeout): the node joins now, and the ones not ready are replaced",
+                             self.cfg.join_timeout)
+
+    def _job_env(self, local_rank: int) -> dict:
+        """What :func:`~ftrt.agents.workers.env.job_env` needs for this node's worker ``local_rank``."""
+        p = self.parts
+        return dict(
+            node_id=self.cfg.node_id, local_rank=local_rank, local_world_size=self.cfg.nproc_per_node,
+            job_id=self.cfg.job_id,
+            max_restarts=self.cfg.max_restarts, agent_addr=p.agent_addr, etcd=p.endpoints,
+            etcd_access=self.cfg.etcd_access, mtbf=self.cfg.mtbf, checkpoint_key_file=self.cfg.checkpoint_key_file,
+            nccl_async_error_handling=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            recovery=self.cfg.recovery, reconfigure_timeout=self.cfg.reconfigure_timeout,
+        )
+
+    async def _say_in_place(self, workers: list) -> None:
+        """Once every worker of this node's round said it changes rounds in place, say so in the
+        node's record: a node joining later then starts its workers before it is admitted."""
+        p = self.parts
+        record = p.membership.record
+        if record is None or record.in_place or self.cfg.recovery != "in-place":
+            return
+        if await p.pool.wait_in_place(workers, self.cfg.join_timeout):
+            await p.membership.update(in_place=True)
 
     # -- the loop -------------------------------------------------------------------------------
     async def _loop(self) -> int:
@@ -499,16 +575,8 @@ class Agent:
         errors.mkdir(parents=True, exist_ok=True)
         spares = iter(fresh)
         for local_rank in range(self.cfg.nproc_per_node):
-            env = worker_env(
-                rnd, node_id=self.cfg.node_id, local_rank=local_rank, job_id=self.cfg.job_id,
-                master_addr=master_addr, master_port=master_port,
-                max_restarts=self.cfg.max_restarts, agent_addr=p.agent_addr, etcd=p.endpoints,
-                etcd_access=self.cfg.etcd_access, mtbf=self.cfg.mtbf,
-                checkpoint_key_file=self.cfg.checkpoint_key_file,
-                error_file=str(errors / f"rank-{offset + local_rank}.json"),
-                nccl_async_error_handling=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-                recovery=self.cfg.recovery, reconfigure_timeout=self.cfg.reconfigure_timeout,
-            )
+            env = worker_env(rnd, master_addr=master_addr, master_port=master_port,
+                             error_file=str(errors / f"rank-{offset + local_rank}.json"), **self._job_env(local_rank))
             if local_rank in kept:
                 p.pool.hand_round(kept[local_rank], local_rank=local_rank, rank=offset + local_rank,
                                   round_no=rnd.round, env=env)
@@ -533,12 +601,16 @@ class Agent:
             p.events.emit("workers_started", f"ranks {offset}-{last} of {rnd.world_size} "
                           f"started ({rnd.reason})", ranks=list(range(offset, last + 1)),
                           world_size=rnd.world_size)
+        admitted = sum(1 for w in kept.values() if w.since_round == rnd.round)  # started before admission
+        how = (f"{len(kept) - admitted} kept in place, " if len(kept) > admitted else "") + \
+            (f"{admitted} started before admission, " if admitted else "") + f"{len(fresh)} started:"
         self.log.info(
             "round %d: %s ranks %d-%d of %d (%s) in %.0f ms",
-            rnd.round, f"{len(kept)} kept in place, {len(fresh)} started:" if kept else "started",
+            rnd.round, how if kept else "started",
             offset, last, rnd.world_size, rnd.reason, (time.monotonic() - t0) * 1000,
         )
-        if fresh:
+        self._spawn(self._say_in_place(list(p.pool.running)))
+        if len(p.pool.spares) < self.cfg.nproc_per_node:  # used now, or by workers started before admission
             age = time.time() - (rnd.job_started or time.time())
             mtbf = estimate_mtbf(self.cfg.mtbf, rnd.faults, age).seconds
             p.pool.refill_later(SPARE_REFILL_DELAY,

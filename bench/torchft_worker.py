@@ -65,6 +65,9 @@ def main() -> None:
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     model = torch.compile(net) if args.compile else net
+    if args.compile:  # compile forward and backward before joining a quorum, as ddp_steps.py does
+        model(torch.zeros(16, 32)).pow(2).mean().backward()
+        opt.zero_grad(set_to_none=True)
 
     def state_dict() -> dict:
         return {"model": net.state_dict(), "optim": opt.state_dict()}

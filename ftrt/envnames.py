@@ -30,6 +30,10 @@ RECOVERY = "FTRT_RECOVERY"
 rounds without exiting."""
 RECONFIGURE_TIMEOUT = "FTRT_RECONFIGURE_TIMEOUT"
 """Seconds a worker in place waits for its next round after a collective failed (``--reconfigure-timeout``)."""
+ADMISSION = "FTRT_ADMISSION"
+"""``pending``: the worker was started before its node was admitted to a running job (its node joins
+a job whose workers change rounds in place): it warms up, and its first round reaches it over its
+control pipe when :meth:`ftrt.Runtime.init_process_group` waits for it."""
 ROUND_END_FILE = "FTRT_ROUND_END_FILE"
 """The mapped file through which the agent asks a round to end at a step boundary."""
 

@@ -71,6 +71,9 @@ class NodeRecord:
     leaving: bool = False
     """The node is draining (SIGTERM, a preemption notice, ``ftrt drain``): the next round is
     written without it, as a planned change, and it is not admitted to any later one."""
+    in_place: bool = False
+    """Its workers change rounds without exiting (``--recovery in-place``, and they asked): a node that
+    joins the job later starts its workers before it is admitted, so they warm up beforehand."""
     pid: int = 0
     started: float = 0.0
     lease: int = field(default=0, compare=False)

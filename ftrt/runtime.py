@@ -22,7 +22,7 @@ from ftrt import _diag, envnames, reports
 from ftrt.errors import FtrtError, WorldChanged
 
 if TYPE_CHECKING:
-    from ftrt.control import ControlChannel
+    from ftrt.control import ControlChannel, NewRound
     from ftrt.roundendfile import RoundEndReader
     from ftrt.checkpoint.cadence import Cadence, Choice, Interval
     from ftrt.store.access import EtcdTarget
@@ -78,6 +78,9 @@ class Runtime:
     the default there), else ``restart``."""
     reconfigure_timeout: float = 10.0
     """Seconds to wait for the agent's next round after a step failed (``--reconfigure-timeout``)."""
+    pending: bool = False
+    """Started before its node was admitted to a running job (a join, under ``--recovery in-place``):
+    its rank, world size and round are known only once :meth:`init_process_group` returns."""
     last_step: int = -1
     _report_fd: int = field(default=-1, repr=False)
     _control: "ControlChannel | None" = field(default=None, repr=False)  # under ftrt launch
@@ -173,6 +176,13 @@ class Runtime:
         (torchrun, a plain script) it is ``init_process_group(backend, **kwargs)`` unchanged.
         ``kwargs``: ``timeout`` (a ``timedelta``), ``device_id``, ``pg_options``...; not ``store``,
         ``rank`` or ``world_size``, which the round gives.
+
+        A worker of a node that joins a running job whose workers change rounds in place is started
+        before its node is admitted (:attr:`pending`): what the script does before this call (build
+        and compile the model, warm it up on a dummy batch, start an inference engine) is done before
+        the running ranks wait for it. The call then tells the agent the worker is ready, and returns
+        once the round admitting the node came and its group is up. Read the rank and world size
+        after it; ``LOCAL_RANK`` is set before.
         """
         import torch.distributed as dist
 
@@ -183,6 +193,14 @@ class Runtime:
             if taken in kwargs:
                 raise ValueError(f"Runtime.init_process_group takes no {taken}=: the round gives it.")
         self._group = (backend, dict(kwargs))
+        if self.pending:
+            if not self.in_place:
+                raise FtrtError("This worker was started before its node was admitted, but it cannot change "
+                                "rounds in place (no control pipe, or --recovery restart); its agent should not "
+                                "have started it early.")
+            self.report(reports.InPlace())  # warmed up: the agent may now let its node be admitted
+            self._take_round(self._admission())
+            return
         self._join_group()
         if self.in_place:
             self.report(reports.InPlace())
@@ -275,12 +293,30 @@ class Runtime:
             from ftrt.inplace import leave_group
 
             leave_group()
+        self._take_round(new)
+        return self.round
+
+    def _admission(self) -> "NewRound":
+        """Wait for the round that admits this worker's node (:attr:`pending`); the agent stops this
+        worker if its node leaves first."""
+        control = self._control
+        while (new := control.take()) is None:  # type: ignore[union-attr]
+            if control.closed:  # type: ignore[union-attr]
+                raise FtrtError("This worker's agent closed its control pipe before its node was admitted to "
+                                "the job; the agent is gone.")
+            control.wait(60.0)  # type: ignore[union-attr]
+        return new
+
+    def _take_round(self, new: "NewRound") -> None:
+        """Run in round ``new`` from now on: its environment and place, its process group, and the
+        agent told (:class:`~ftrt.reports.Reconfigured`)."""
         os.environ.update(new.env)
         for name, value in _placement().items():
             setattr(self, name, value)
+        self.job_started = _env_float(envnames.JOB_STARTED, 0.0) or self.job_started
+        self.pending = False
         self._join_group()
         self.report(reports.Reconfigured(self.round))
-        return self.round
 
     def _join_group(self) -> None:
         """Make the default process group of this worker's round (:meth:`init_process_group`)."""
@@ -449,6 +485,7 @@ def init() -> Runtime:
         etcd=_etcd_target(),
         recovery=os.environ.get(envnames.RECOVERY) or "restart",
         reconfigure_timeout=_env_float(envnames.RECONFIGURE_TIMEOUT, 10.0),
+        pending=os.environ.get(envnames.ADMISSION) == "pending",
         _report_fd=fd,
         _control=_control_channel(),
         _round_end=_round_end_reader(),

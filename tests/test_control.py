@@ -9,8 +9,11 @@ from dataclasses import dataclass
 import pytest
 
 from ftrt import WorldChanged
-from ftrt.agents.workers.keep import keep_in_place
+from ftrt.agents.workers.env import pending_env, worker_env
+from ftrt.agents.workers.keep import job_runs_in_place, keep_in_place
 from ftrt.control import ControlChannel, NewRound, decode, encode
+from ftrt.errors import FtrtError
+from ftrt.records import Member, NodeRecord, RoundRecord
 from ftrt.runtime import Runtime
 
 
@@ -141,3 +144,77 @@ def test_every_worker_is_replaced_when(workers, holds_store, why):
 
 def test_restart_mode_keeps_nobody():
     assert keep_in_place([W(0, hosts_store=True)], nproc=1, recovery="restart", holds_store=True) == {}
+
+
+def test_a_worker_started_before_admission_waits_warm_for_its_first_round(pipe, monkeypatch):
+    """A pending worker (its node joins a job running in place) says it is ready at
+    rt.init_process_group, then takes the round that admits its node from the control pipe and
+    makes that round's group: its rank and world come only then."""
+    import threading
+
+    import torch.distributed as dist
+
+    from ftrt import reports
+
+    r, w = pipe
+    report_r, report_w = os.pipe()
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    new_env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
+               "FTRT_ROUND": "4", "FTRT_ADMISSION": ""}
+    for name in new_env:
+        monkeypatch.delenv(name, raising=False)  # restored after the test: the worker writes them
+    rt = Runtime(launched_by_ftrt=True, recovery="in-place", pending=True, _report_fd=report_w,
+                 _control=ControlChannel(r, after=0))
+    joined = threading.Thread(target=rt.init_process_group, args=("gloo",))
+    joined.start()
+    said = reports.decode(os.read(report_r, 4096).splitlines()[0])
+    assert said == reports.InPlace() and joined.is_alive(), "it must wait, warm, for its round"
+    assert not dist.is_initialized()
+    os.write(w, encode(NewRound(4, new_env)))
+    joined.join(30)
+    try:
+        assert not joined.is_alive()
+        assert (rt.rank, rt.world_size, rt.round, rt.pending) == (0, 1, 4, False)
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert reports.decode(os.read(report_r, 4096).splitlines()[0]) == reports.Reconfigured(4)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.close(report_r)
+        os.close(report_w)
+
+
+def test_a_pending_worker_whose_agent_is_gone_says_so(pipe):
+    r, w = pipe
+    os.close(w)
+    rt = Runtime(launched_by_ftrt=True, recovery="in-place", pending=True, _control=ControlChannel(r, after=0))
+    with pytest.raises(FtrtError, match="closed its control pipe before its node was admitted"):
+        rt.init_process_group("gloo")
+
+
+def _record(node_id: str, **kw) -> NodeRecord:
+    return NodeRecord(node_id=node_id, incarnation="i", host="h", agent_addr="a:1", nproc=1, **kw)
+
+
+@pytest.mark.parametrize("records, expected", [
+    ([_record("a", in_place=True)], True),
+    ([_record("a"), _record("b", in_place=True)], True),
+    ([_record("a")], False),
+    ([_record("me", in_place=True)], False),  # its own (an earlier incarnation's) record says nothing
+    ([_record("a", in_place=True, leaving=True)], False),
+    ([_record("a", in_place=True, done_round=3)], False),
+])
+def test_a_joining_node_starts_early_only_when_another_node_runs_in_place(records, expected):
+    assert job_runs_in_place(records, "me") is expected
+
+
+def test_a_pending_worker_knows_its_place_on_the_node_but_not_in_the_round():
+    job = dict(node_id="n0", local_rank=1, local_world_size=2, job_id="j", max_restarts=0, agent_addr="h:1")
+    pending = pending_env(**job)
+    assert pending["FTRT_ADMISSION"] == "pending" and pending["LOCAL_RANK"] == "1"
+    assert not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "FTRT_ROUND"} & set(pending)
+    rnd = RoundRecord(round=5, members=(Member("n1", "i", 1), Member("n0", "i", 2)))
+    env = worker_env(rnd, master_addr="127.0.0.1", master_port=1, **job)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["FTRT_ADMISSION"]) == ("2", "3", "2", "")
+    with pytest.raises(ValueError, match="local rank 3 is outside 0..1"):
+        pending_env(**{**job, "local_rank": 3})

@@ -91,6 +91,7 @@ class Membership:
         """The current lease (None before the first join)."""
         self.record: NodeRecord | None = None
         """The current registration (None before the first join)."""
+        self._updating = asyncio.Lock()
 
     def registration(self) -> tuple[int, str] | None:
         """The live lease and incarnation (the rendezvous campaigns under them); None without."""
@@ -141,15 +142,29 @@ class Membership:
             return await register(self.store, self.keys, rec, session.lease_id)
 
     async def update(self, **changes) -> None:
-        """Rewrite the node record (e.g. ``ready=True``); a lost registration is logged, not raised."""
-        if self.record is None or self.session is None:
-            return
-        new = dataclasses.replace(self.record, **changes)
-        try:
-            await update(self.store, self.keys, new, self.session.lease_id)
-            self.record = new
-        except (LeaseLost, StoreError) as exc:
-            self.log.warning("could not update this node's record: %s", exc)
+        """Rewrite the node record (e.g. ``ready=True``); a lost registration is logged, not raised.
+        Updates run one at a time, each on the record the one before wrote: none undoes another's."""
+        async with self._updating:
+            if self.record is None or self.session is None:
+                return
+            new = dataclasses.replace(self.record, **changes)
+            try:
+                await update(self.store, self.keys, new, self.session.lease_id)
+                self.record = new
+            except (LeaseLost, StoreError) as exc:
+                self.log.warning("could not update this node's record: %s", exc)
+
+    async def records(self) -> list[NodeRecord]:
+        """Every node record of the job, as etcd holds them now (one read; records that do not
+        parse are left out). Raises :class:`~ftrt.errors.StoreError` when etcd does not answer."""
+        kvs, _ = await self.store.get_prefix(self.keys.nodes)
+        out = []
+        for kv in kvs:
+            try:
+                out.append(decode(NodeRecord, kv.value, lease=kv.lease, revision=kv.create_revision))
+            except (ValueError, TypeError) as exc:
+                self.log.warning("ignoring the node record %s: %s", kv.key, exc)
+        return out
 
     def lost_reason(self) -> str:
         """Why the lease was lost, as far as the keep-alive knows ("" if it does not)."""

@@ -14,68 +14,46 @@ from ftrt.roster import LocalRound
 from ftrt.store.access import EtcdAccess
 
 
-def worker_env(
-    rnd: LocalRound | RoundRecord,
+def job_env(
     *,
     node_id: str,
     local_rank: int,
+    local_world_size: int,
     job_id: str,
-    master_addr: str,
-    master_port: int,
     max_restarts: int,
     agent_addr: str,
     etcd: str = "",
     etcd_access: EtcdAccess = EtcdAccess(),
     mtbf: float | None = None,
     checkpoint_key_file: str | None = None,
-    error_file: str = "",
     nccl_async_error_handling: str = "1",
     recovery: str = "in-place",
     reconfigure_timeout: float = 10.0,
 ) -> dict[str, str]:
-    """Variables for one worker of ``node_id`` in round ``rnd`` (which must include the node).
+    """The variables of one worker that do not depend on its round: the job, the node, its place on
+    the node (``LOCAL_RANK``), the agent and etcd, and the operator's settings. A worker started
+    before its node is admitted (:func:`pending_env`) has only these.
 
     ``etcd_access`` reaches the worker as its ``FTRT_ETCD_*`` variables (file paths, never a
     password: one from ``FTRT_ETCD_PASSWORD`` is inherited with the agent's environment).
-    ``error_file``: where a worker whose entry point is wrapped in torchelastic's ``@record``
-    writes its exception (``TORCHELASTIC_ERROR_FILE``); ``nccl_async_error_handling``: the
-    operator's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, else torchrun's default ``1``; ``recovery`` and
-    ``reconfigure_timeout``: ``--recovery`` and ``--reconfigure-timeout``, for a worker that may change
-    rounds in place (:mod:`ftrt.control`)."""
-    member = rnd.member(node_id)
-    if member is None:
-        raise ValueError(f"node {node_id!r} is not a member of round {rnd.round}")
-    if not 0 <= local_rank < member.nproc:
-        raise ValueError(f"local rank {local_rank} is outside 0..{member.nproc - 1}")
-    rank = rnd.rank_offset(node_id) + local_rank
-    world = rnd.world_size
+    ``nccl_async_error_handling``: the operator's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, else
+    torchrun's default ``1``; ``recovery`` and ``reconfigure_timeout``: ``--recovery`` and
+    ``--reconfigure-timeout``, for a worker that may change rounds in place (:mod:`ftrt.control`)."""
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(f"local rank {local_rank} is outside 0..{local_world_size - 1}")
     return {
-        "RANK": str(rank),
         "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(member.nproc),
-        "GROUP_RANK": str(rnd.group_rank(node_id)),
-        "GROUP_WORLD_SIZE": str(rnd.node_count),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
         "ROLE_NAME": "default",
-        "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(world),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(rnd.restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "TORCHELASTIC_RUN_ID": job_id,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": nccl_async_error_handling,
-        **({"TORCHELASTIC_ERROR_FILE": error_file} if error_file else {}),
         envnames.JOB_ID: job_id,
         envnames.NODE_ID: node_id,
-        envnames.ROUND: str(rnd.round),
         envnames.AGENT_ADDR: agent_addr,
         envnames.ETCD: etcd,
-        # The job's fault history and the operator's expectation, for checkpoint cadence.
-        envnames.FAULTS: str(rnd.faults),
-        envnames.JOB_STARTED: repr(rnd.job_started or rnd.created),
         envnames.MTBF: "" if mtbf is None else repr(float(mtbf)),
         envnames.RECOVERY: recovery,
         envnames.RECONFIGURE_TIMEOUT: repr(float(reconfigure_timeout)),
@@ -83,6 +61,53 @@ def worker_env(
         # The path of the checkpoint key, never the key (ftrt.checkpoint.signing); without the flag
         # an operator's own FTRT_CHECKPOINT_KEY(_FILE) reaches the worker with the agent's environment.
         **({envnames.CHECKPOINT_KEY_FILE: checkpoint_key_file} if checkpoint_key_file else {}),
+    }
+
+
+def pending_env(**job) -> dict[str, str]:
+    """Variables for a worker started before its node is admitted to a running job whose workers
+    change rounds in place (:func:`job_env`'s keywords): it runs its script up to
+    :meth:`ftrt.Runtime.init_process_group` (imports, model, compilation), and its round, rank and
+    world come later as a :class:`ftrt.control.NewRound` (:func:`worker_env`)."""
+    return {**job_env(**job), envnames.ADMISSION: "pending"}
+
+
+def worker_env(
+    rnd: LocalRound | RoundRecord,
+    *,
+    master_addr: str,
+    master_port: int,
+    error_file: str = "",
+    **job,
+) -> dict[str, str]:
+    """Variables for one worker of ``job["node_id"]`` in round ``rnd`` (which must include the
+    node): torchrun's and ftrt's for the round, on top of :func:`job_env` (its keywords; the round's
+    member gives ``local_world_size``). ``error_file``: where a worker whose entry
+    point is wrapped in torchelastic's ``@record`` writes its exception (``TORCHELASTIC_ERROR_FILE``)."""
+    node_id, local_rank = job["node_id"], job["local_rank"]
+    member = rnd.member(node_id)
+    if member is None:
+        raise ValueError(f"node {node_id!r} is not a member of round {rnd.round}")
+    base = job_env(**{**job, "local_world_size": member.nproc})
+    rank = rnd.rank_offset(node_id) + local_rank
+    world = rnd.world_size
+    return {
+        **base,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "GROUP_RANK": str(rnd.group_rank(node_id)),
+        "GROUP_WORLD_SIZE": str(rnd.node_count),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(rnd.restart_count),
+        **({"TORCHELASTIC_ERROR_FILE": error_file} if error_file else {}),
+        envnames.ROUND: str(rnd.round),
+        # The job's fault history and the operator's expectation, for checkpoint cadence.
+        envnames.FAULTS: str(rnd.faults),
+        envnames.JOB_STARTED: repr(rnd.job_started or rnd.created),
+        envnames.ADMISSION: "",  # admitted (a worker started before its node was admitted reads it again)
     }
 
 

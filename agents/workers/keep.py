@@ -10,7 +10,9 @@ places of the others.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
+
+from ftrt.records import NodeRecord
 
 
 class Kept(Protocol):
@@ -40,3 +42,10 @@ def keep_in_place(running: Sequence[Kept], *, nproc: int, recovery: str, holds_s
     if holds_store and 0 in kept and not kept[0].hosts_store:
         return {}
     return kept
+
+
+def job_runs_in_place(records: Iterable[NodeRecord], node_id: str) -> bool:
+    """Whether a node joining the job finds workers that change rounds in place: another live node
+    of the job, not leaving or finished, said so in its record. Every node runs the same script, so
+    one says it for all; the joining node then starts its workers before it is admitted."""
+    return any(r.in_place and r.node_id != node_id and not r.leaving and not r.done_round for r in records)

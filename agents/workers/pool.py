@@ -42,11 +42,13 @@ REFILL_PROGRESS_WAIT = 10.0
 
 
 class WorkerState(str, enum.Enum):
-    """A worker's life: ``warming -> warm -> running -> exited`` (a spare may exit from any state).
+    """A worker's life: ``warming -> warm -> running -> exited`` (a spare may exit from any state);
+    a worker started before its node is admitted is ``pending`` between ``warm`` and ``running``.
     The values are what ``ftrt status`` and the Status RPC show."""
 
     WARMING = "warming"
     WARM = "warm"
+    PENDING = "pending"
     RUNNING = "running"
     EXITED = "exited"
 
@@ -76,6 +78,8 @@ class Worker:
     """It polls the round-end file (:mod:`ftrt.agents.workers.boundary`): a planned round waits for it."""
     in_place: bool = False
     """It changes rounds without exiting (:class:`~ftrt.reports.InPlace`): a new round is handed to it."""
+    said_in_place: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once it said so; for a worker started before its node is admitted, that it is warm."""
     took_round: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once it acknowledged the round it was last handed (:meth:`WorkerPool.hand_round`)."""
     assigned_at: float = 0.0
@@ -124,6 +128,7 @@ class Worker:
                 self.polls_boundary = True
             case reports.InPlace():
                 self.in_place = True
+                self.said_in_place.set()
             case reports.Reconfigured(round=round_no):
                 if round_no == self.round:
                     self.took_round.set()
@@ -177,6 +182,9 @@ class WorkerPool:
         """Warm or warming workers for the next round (read-only outside the pool)."""
         self.running: list[Worker] = []
         """The workers assigned in the current round (read-only outside the pool)."""
+        self.early: list[Worker] = []
+        """Workers started before this node is admitted to the job (:meth:`start_early`; read-only
+        outside the pool): the round that admits the node keeps them (:meth:`keep`)."""
         self._all: set[Worker] = set()
         self._closed = False
         self._refill: asyncio.Task | None = None
@@ -239,6 +247,11 @@ class WorkerPool:
 
     def _exited(self, worker: Worker) -> None:
         worker.ready.set()  # nobody waits forever on a dead spare
+        if worker in self.early:
+            self.early.remove(worker)
+            if not worker.stopping:
+                log.warning("worker pid %d, started before this node's admission, exited with code %s before "
+                            "it was admitted", worker.pid, worker.exit_code)
         if worker in self.spares:
             self.spares.remove(worker)
             if not self._closed:
@@ -384,10 +397,51 @@ class WorkerPool:
             log.warning("could not hand rank %d to worker pid %d: it is gone", rank, worker.pid)
         self.running.append(worker)  # its control pipe stays open: it may take later rounds in place
 
+    def start_early(self, worker: Worker, *, local_rank: int, env: dict[str, str], script: str | None,
+                    module: str | None, argv: tuple[str, ...]) -> None:
+        """Start ``worker`` (from :meth:`take`) on the script before its node is admitted
+        (:func:`~ftrt.agents.workers.env.pending_env`): it warms up, says it changes rounds in place
+        (:attr:`Worker.said_in_place`), and waits for its first round, which the round admitting the
+        node hands it (:meth:`keep`, :meth:`hand_round`)."""
+        worker.local_rank = local_rank
+        worker.state = WorkerState.PENDING
+        worker.assigned_at = time.monotonic()
+        if self.log_dir:
+            path = Path(self.log_dir) / "pending" / f"local-rank-{local_rank}.log"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            worker.proc.log_to(str(path), f"[local{local_rank}]: ".encode())
+        else:
+            worker.proc.prefix = f"[local{local_rank}]: ".encode()
+        if not worker.proc.send({"env": env, "argv": list(argv), "module": module, "cwd": os.getcwd(),
+                                 "script": os.path.abspath(script) if script else None}):
+            log.warning("could not start worker pid %d before admission: it is gone", worker.pid)
+        self.early.append(worker)
+
+    async def wait_in_place(self, workers: list[Worker], timeout: float) -> bool:
+        """Wait until each of ``workers`` said it changes rounds in place, or exited, at most
+        ``timeout`` seconds; True if every one said so and lives."""
+
+        async def one(w: Worker) -> None:
+            events = [asyncio.ensure_future(w.said_in_place.wait()), asyncio.ensure_future(w.exited.wait())]
+            try:
+                await asyncio.wait(events, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for e in events:
+                    e.cancel()
+
+        waits = [asyncio.ensure_future(one(w)) for w in workers]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=timeout)
+            for task in pending:
+                task.cancel()
+        return all(w.said_in_place.is_set() and w.exit_code is None for w in workers)
+
     def hand_round(self, worker: Worker, *, local_rank: int, rank: int, round_no: int, env: dict[str, str]) -> bool:
         """Hand a running worker that changes rounds in place its next round (:mod:`ftrt.control`);
         :attr:`Worker.took_round` is set once it acknowledged. False if it can no longer hear it."""
         self._place(worker, local_rank=local_rank, rank=rank, round_no=round_no)
+        if not worker.since_round:  # started before its node's admission: this is its first round
+            worker.since_round = round_no
         worker.took_round = asyncio.Event()
         return worker.proc.send_line(encode(NewRound(round_no, env)))
 
@@ -405,8 +459,22 @@ class WorkerPool:
     async def keep(self, *, recovery: str, holds_store: bool) -> dict[int, Worker]:
         """The running workers that take the next round in place, by local rank
         (:func:`~ftrt.agents.workers.keep.keep_in_place`); the others (exited, failed) are stopped
-        at once and forgotten, to make room for spares. Empty: nothing kept, nothing stopped."""
-        kept = keep_in_place(self.running, nproc=self.nproc, recovery=recovery, holds_store=holds_store)
+        at once and forgotten, to make room for spares. Empty: nothing kept, nothing stopped.
+
+        A node being admitted has no running workers but may have workers started early
+        (:meth:`start_early`): those are kept alike, and stopped when they cannot be kept."""
+        if self.early and not self.running:
+            self.running, self.early = self.early, []
+            for w in self.running:
+                w.state = WorkerState.RUNNING  # its exit from now on fails the round, as any rank's
+            kept = keep_in_place(self.running, nproc=self.nproc, recovery=recovery, holds_store=holds_store)
+            if not kept:
+                log.warning("the workers started before this node's admission are not usable in place; "
+                            "fresh ones start")
+                await self.stop_running(0.0)
+                return {}
+        else:
+            kept = keep_in_place(self.running, nproc=self.nproc, recovery=recovery, holds_store=holds_store)
         if kept:
             gone = [w for w in self.running if w not in kept.values()]
             self.running = [w for w in self.running if w in kept.values()]
@@ -425,8 +493,9 @@ class WorkerPool:
 
     # -- stopping -------------------------------------------------------------------------------
     async def stop_running(self, grace: float) -> None:
-        """Stop every assigned worker: SIGTERM, then SIGKILL after ``grace`` (0: SIGKILL now)."""
-        workers, self.running = self.running, []
+        """Stop every assigned worker (and those started before admission): SIGTERM, then SIGKILL
+        after ``grace`` (0: SIGKILL now)."""
+        workers, self.running, self.early = [*self.running, *self.early], [], []
         await self._stop(workers, grace)
 
     async def wait_exited(self, workers: list[Worker], timeout: float) -> bool:
@@ -463,8 +532,8 @@ class WorkerPool:
         worker.proc.signal(signal.SIGKILL)
 
     def kill_running_now(self) -> None:
-        """SIGKILL every assigned worker without waiting (fencing)."""
-        for w in self.running:
+        """SIGKILL every assigned worker (and those started before admission) without waiting (fencing)."""
+        for w in [*self.running, *self.early]:
             w.stopping = True
             w.proc.signal(signal.SIGKILL)
 

@@ -17,7 +17,9 @@ With ``--in-place`` the workers change rounds without exiting (:mod:`ftrt.inplac
 or a join raises :class:`ftrt.WorldChanged` in the step, the worker takes the new round
 (:meth:`ftrt.Runtime.reconfigure`), the ranks agree on the newest step and its weights
 (:func:`ftrt.sync_state`: a newcomer or a rank one step behind gets them) and the step in flight is
-trained again at the new world size.
+trained again at the new world size. Everything a worker can do before it knows its rank (build the
+model, compile it with ``--compile`` and run it once) comes before ``rt.init_process_group``: a
+node that joins a running job starts its workers before it is admitted, and they wait there, warm.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def main() -> None:
     p.add_argument("--wedge-on-change", type=int, default=-1, metavar="RANK",
                    help="this rank does not take its next round in place (it sleeps; once): the agent's "
                         "--reconfigure-timeout must replace it")
+    p.add_argument("--fail-before-admission", action="store_true",
+                   help="a worker started before its node's admission exits 1 before it is ready (once)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model (the cost of a worker's start then includes compiling it)")
     p.add_argument("--plain", action="store_true",
@@ -68,15 +72,22 @@ def main() -> None:
     args = p.parse_args()
 
     rt = ftrt.init()
-    if args.in_place:
-        rt.init_process_group("gloo")
-    else:
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    marker = args.fault_marker or f"{args.ckpt or args.progress or 'x'}.failed-once"
+    if args.fail_before_admission and rt.pending and not os.path.exists(marker + ".pending"):
+        open(marker + ".pending", "w").close()
+        os._exit(1)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     opt = None if args.plain else torch.optim.SGD(net.parameters(), lr=0.01)
     compiled = torch.compile(net) if args.compile else net
+    if args.compile:  # compile forward and backward before joining: a newcomer is warm when admitted
+        compiled(torch.zeros(16, 32)).pow(2).mean().backward()
+        net.zero_grad(set_to_none=True)
+    if args.in_place:  # a node joining a running job waits here, warm, until it is admitted
+        rt.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
 
     start = 0
     if args.ckpt and os.path.exists(args.ckpt):
@@ -86,7 +97,6 @@ def main() -> None:
         start = ftrt.sync_state(start - 1, list(net.parameters())) + 1
     model = wrap(compiled, rt, plain=args.plain)
     print(f"rank {rank} of {world} (round {rt.round}) starts at step {start}", flush=True)
-    marker = args.fault_marker or f"{args.ckpt or args.progress or 'x'}.failed-once"
     vote = RoundEndVote(rt) if args.boundary else None
     step, done = start, Done(start - 1)
     while step < args.steps:

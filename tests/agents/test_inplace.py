@@ -8,6 +8,7 @@ rank of a step holds the same weights (a newcomer or a rank one step behind got 
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -99,6 +100,30 @@ def test_a_joining_node_gets_the_weights_and_the_running_rank_keeps_its_process(
     pids = pids_by_rank_and_round(progress)
     a_pids = {x["pid"] for x in progress.lines() if x["rank"] == 0}
     assert len(a_pids) == 1, f"the running rank was restarted at the join: {pids}"
+    # b's worker started before b was admitted, warmed up, and is the one that trained as rank 1.
+    log = b.log()
+    assert "workers warmed up before admission" in log
+    early = re.search(r"started 1 worker\(s\) \(pids \[(\d+)\]\) before this node's admission", log)
+    assert early, log
+    b_pids = {x["pid"] for x in progress.lines() if x["rank"] == 1}
+    assert b_pids == {int(early.group(1))}, f"the newcomer was restarted: {pids}"
+
+
+def test_a_newcomer_that_fails_while_warming_up_is_replaced_when_admitted(tmp_path, make_node):
+    """b's worker, started before b's admission, exits while it warms up: b still joins, with a
+    fresh worker, and no step is lost."""
+    progress = Progress(tmp_path / "p.jsonl")
+    script = in_place_args(progress, 120, ("--fail-before-admission",))
+    a = make_node("a", script, nnodes="1:2")
+    wait_until(lambda: progress.stepping(world=1, ranks=1), 60, "a stepping alone")
+    b = make_node("b", script, nnodes="1:2")
+    wait_until(lambda: progress.stepping(world=2, ranks=2), 60, "both stepping at world 2")
+    assert a.wait(90) == 0, a.log()
+    assert b.wait(30) == 0, b.log()
+    assert_every_step_once_with_one_state(progress, 120)
+    assert "exited with code 1 before it was admitted" in b.log()
+    assert "did not all reach rt.init_process_group" in b.log()
+    assert len({x["pid"] for x in progress.lines() if x["rank"] == 0}) == 1
 
 
 def test_a_worker_that_does_not_take_its_round_is_killed_and_replaced(tmp_path, make_node):
