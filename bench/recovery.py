@@ -192,7 +192,7 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
     """Run one scenario once on a fresh cluster; return its measurements (seconds)."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-{system}-{scenario}-"))
     extra = (*(DRAIN_SCRIPT if scenario.startswith("drain") else ()), *(("--compile",) if compile else ()),
-             *(("--in-place",) if system == "ftrt-inplace" else ()))
+             *(("--in-place",) if system == "ftrt-inplace" else ("--no-in-place",) if system != "torchft" else ()))
     if system == "torchft":
         from bench.torchft_baseline import TorchftCluster
 

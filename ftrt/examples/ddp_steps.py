@@ -13,7 +13,7 @@ joins or drains): the ranks agree on it through an all-reduce one step behind
 worker exits (:meth:`ftrt.Runtime.round_ending`, :meth:`ftrt.Runtime.exit_for_round`), so the next
 round redoes nothing whatever the checkpoint interval.
 
-With ``--in-place`` the workers change rounds without exiting (:mod:`ftrt.inplace`): a lost peer
+By default (``--no-in-place`` turns it off) the workers change rounds without exiting (:mod:`ftrt.inplace`): a lost peer
 or a join raises :class:`ftrt.WorldChanged` in the step, the worker takes the new round
 (:meth:`ftrt.Runtime.reconfigure`), the ranks agree on the newest step and its weights
 (:func:`ftrt.sync_state`: a newcomer or a rank one step behind gets them) and the step in flight is
@@ -57,8 +57,10 @@ def main() -> None:
                    help="file recording the injected fault (default: next to --ckpt); it fires once")
     p.add_argument("--teardown", type=float, default=0.0,
                    help="seconds of teardown after the last step (told to the agent with rt.done(): not a hang)")
-    p.add_argument("--in-place", action="store_true",
-                   help="change rounds without exiting (rt.init_process_group, ftrt.WorldChanged, rt.reconfigure)")
+    p.add_argument("--in-place", action=argparse.BooleanOptionalAction, default=True,
+                   help="change rounds without exiting (rt.init_process_group, ftrt.WorldChanged, rt.reconfigure; "
+                        "the default); --no-in-place: dist.init_process_group, so every round change restarts the "
+                        "worker, as for a script that does not ask")
     p.add_argument("--wedge-on-change", type=int, default=-1, metavar="RANK",
                    help="this rank does not take its next round in place (it sleeps; once): the agent's "
                         "--reconfigure-timeout must replace it")

@@ -15,9 +15,10 @@ FAST_WARM = ("--warm-import", "torch", "--warm-import", "torch.distributed")
 
 
 def ddp_args(progress: Path, *, steps: int, step_time: float = 0.05, extra: tuple[str, ...] = ()) -> list[str]:
-    """Script arguments for the example workload in its fast (no DDP) mode."""
+    """Script arguments for the example workload in its fast (no DDP) mode, restarting its workers at
+    every round change (``--no-in-place``; ``extra`` may say ``--in-place``: the last one counts)."""
     return [
-        "-m", "ftrt.examples.ddp_steps", "--plain", "--steps", str(steps), "--step-time", str(step_time),
+        "-m", "ftrt.examples.ddp_steps", "--plain", "--no-in-place", "--steps", str(steps), "--step-time", str(step_time),
         "--progress", str(progress), "--all-ranks", "--ckpt", str(progress) + ".ckpt", *extra,
     ]
 

@@ -59,7 +59,7 @@ def _steps(path: Path) -> list[dict]:
 
 
 def _script(tmp: Path, steps: int) -> list[str]:
-    return ["-m", "ftrt.examples.ddp_steps", "--plain", "--steps", str(steps), "--step-time", "0.05",
+    return ["-m", "ftrt.examples.ddp_steps", "--plain", "--no-in-place", "--steps", str(steps), "--step-time", "0.05",
             "--progress", str(tmp / "p.jsonl"), "--ckpt", str(tmp / "ck.json"), "--boundary"]
 
 
