@@ -114,27 +114,39 @@ def round_store(addr: str, port: int, round_no: int, timeout: float):
     return dist.PrefixStore(round_prefix(round_no), client)
 
 
-def sync_state(step: int, tensors: Iterable["torch.Tensor"]) -> int:
+def sync_state(step: int, tensors: Iterable["torch.Tensor"], *, wait: "Callable[[Any], None] | None" = None) -> int:
     """Agree on the newest ``step`` over the default process group and give every rank the state of
     a rank that has it; returns that step.
 
     ``step``: the last optimizer step this rank applied (-1: none, e.g. a newcomer); ``tensors``:
     this rank's state, in the same order and shapes on every rank (parameters, optimizer buffers,
     a tensor holding RNG state...), overwritten in place on the ranks behind. The lowest rank that
-    applied the newest step sends (nothing is sent when every rank has it). Call it on every rank after :meth:`ftrt.Runtime.reconfigure`
-    and before wrapping the model again (DDP broadcasts rank 0's parameters when built).
+    applied the newest step sends (nothing is sent when every rank has it). Call it on every rank
+    after :meth:`ftrt.Runtime.reconfigure` and before wrapping the model again (DDP broadcasts rank
+    0's parameters when built).
+
+    ``wait``: how to wait for each collective, e.g. :meth:`ftrt.Runtime.wait` (bounded: a peer that
+    froze or died during the agreement ends it in :class:`~ftrt.WorldChanged` once the next round
+    comes, or in the collective's error; run it inside ``with rt.step():`` so that the error turns
+    into the next round too). Default: a blocking wait.
     """
     import torch
     import torch.distributed as dist
 
+    def done(work: Any) -> None:
+        if wait is None:
+            work.wait()
+        else:
+            wait(work)
+
     mine = torch.tensor([step], dtype=torch.int64)
     steps = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(steps, mine)
+    done(dist.all_gather(steps, mine, async_op=True))
     applied = [int(t.item()) for t in steps]
     newest = max(applied)
     if min(applied) == newest:
         return newest  # every rank holds it already: nothing to send
     src = applied.index(newest)
     for t in tensors:
-        dist.broadcast(t.data if t.requires_grad else t, src)
+        done(dist.broadcast(t.data if t.requires_grad else t, src, async_op=True))
     return newest

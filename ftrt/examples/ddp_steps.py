@@ -96,7 +96,7 @@ def main() -> None:
         with open(args.ckpt) as f:
             start = json.load(f)["step"] + 1
     if args.in_place:  # a newcomer takes the running ranks' weights and step
-        start = ftrt.sync_state(start - 1, list(net.parameters())) + 1
+        start = agree(rt, start - 1, net, first=True) + 1
     model = wrap(compiled, rt, plain=args.plain)
     print(f"rank {rank} of {world} (round {rt.round}) starts at step {start}", flush=True)
     vote = RoundEndVote(rt) if args.boundary else None
@@ -115,9 +115,8 @@ def main() -> None:
                 open(marker + ".wedged", "w").close()
                 time.sleep(3600)
             vote = RoundEndVote(rt) if args.boundary else None  # its all-reduce in flight was on the old group
-            rt.reconfigure()
+            step = agree(rt, done.step, net) + 1  # the step in flight again
             rank, world = rt.rank, rt.world_size
-            step = ftrt.sync_state(done.step, list(net.parameters())) + 1  # the step in flight again
             done.step = step - 1
             model = wrap(compiled, rt, plain=args.plain)
             print(f"rank {rank} of {world} (round {rt.round}) goes on in place at step {step}", flush=True)
@@ -129,6 +128,21 @@ def main() -> None:
     rt.done()
     time.sleep(args.teardown)
     dist.destroy_process_group()
+
+
+def agree(rt: ftrt.Runtime, applied: int, net: torch.nn.Module, *, first: bool = False) -> int:
+    """Take the new round (unless ``first``: the group is up already) and agree with the other ranks
+    on the newest applied step and its weights (:func:`ftrt.sync_state`). A peer lost meanwhile (one
+    more fault) replaces the round again: take that one too, until an agreement completes."""
+    while True:
+        try:
+            if not first:
+                rt.reconfigure()
+            first = False
+            with rt.step():  # its collectives wait with a bound; a failed one means the next round
+                return ftrt.sync_state(applied, list(net.parameters()), wait=rt.wait)
+        except ftrt.WorldChanged as exc:
+            print(f"rank {rt.rank}: {exc} (while the ranks agreed on the state)", flush=True)
 
 
 class Done:

@@ -1,0 +1,86 @@
+"""ftrt.sync_state on two real gloo ranks: the rank behind gets the state of the rank with the newest
+step, and with a bounded wait a frozen peer ends the agreement in WorldChanged instead of holding it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _agree(rank: int, init: str, bounded: bool, out) -> None:
+    import torch.distributed as dist
+
+    from ftrt import sync_state
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    params = [torch.full((3,), float(rank)), torch.full((2, 2), 10.0 + rank)]
+    wait = (lambda work: work.wait()) if bounded else None
+    step = sync_state(7 if rank == 1 else 6, params, wait=wait)  # rank 1 applied one more step
+    out.put((rank, step, [p.tolist() for p in params]))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_the_rank_behind_gets_the_newest_state(tmp_path, bounded):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    procs = [ctx.Process(target=_agree, args=(r, init, bounded, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {rank: (step, params) for rank, step, params in (out.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    newest = (7, [[1.0, 1.0, 1.0], [[11.0, 11.0], [11.0, 11.0]]])
+    assert got == {0: newest, 1: newest}
+
+
+def _frozen_peer(rank: int, init: str, out) -> None:
+    import torch.distributed as dist
+
+    from ftrt import WorldChanged, sync_state
+    from ftrt.inplace import wait_leaving
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    if rank == 1:  # never joins the agreement: as a frozen peer, its sockets stay open
+        out.put((rank, "frozen"))
+        time.sleep(3600)
+    slices = []
+
+    def gone() -> str | None:  # the agent's next round comes after a few slices of waiting
+        slices.append(1)
+        return "Round 3 replaced round 2" if len(slices) >= 3 else None
+
+    t0 = time.monotonic()
+    try:
+        sync_state(5, [torch.zeros(4)], wait=lambda work: wait_leaving(work, gone))
+    except WorldChanged as exc:
+        out.put((rank, f"left after {time.monotonic() - t0:.1f} s: {exc}"))
+    else:
+        out.put((rank, "the agreement completed without its peer"))
+    out.close()
+    out.join_thread()  # what was put is sent before the exit below
+    os._exit(0)  # the group is never freed: its threads wait on the frozen peer
+
+
+def test_a_frozen_peer_ends_a_bounded_agreement_in_world_changed(tmp_path):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    procs = [ctx.Process(target=_frozen_peer, args=(r, init, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        said = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        procs[1].kill()
+        for p in procs:
+            p.join(30)
+    assert said[1] == "frozen"
+    assert "Round 3 replaced round 2 while a collective waited" in said[0], said[0]
