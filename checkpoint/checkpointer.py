@@ -215,6 +215,19 @@ class Checkpointer:
         return step
 
     # -- lifecycle ------------------------------------------------------------------------------
+    def retire(self) -> None:
+        """Stop this checkpointer without waiting for its pending saves, when its worker changed
+        rounds in place (:meth:`ftrt.Runtime.reconfigure`): its process groups were made from the old
+        round's group, and its commits are fenced by the old round, so it can neither save nor commit
+        again. A save still in flight ends on its own thread, never retried and never committed; only
+        its staging (local copies) is waited for. Build a new one (``rt.checkpointer(...)``, on every
+        rank alike) after the new group is up. Idempotent; :meth:`close` after it does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._saving.retire()
+        self._delete_pool.shutdown(wait=False, cancel_futures=True)
+
     def close(self) -> None:
         """Wait for pending saves, stop background threads. Idempotent."""
         if self._closed:

@@ -153,6 +153,8 @@ class SavePipeline:
         self._pending: list[SaveHandle] = []
         self._prewarmed = False
         self._closed = False
+        self._retired = False
+        """Set by :meth:`retire`: a save still in flight neither retries nor commits."""
         self.skipped_saves = 0
         """Saves ``skip_if_busy`` turned into memory-only ones or skipped."""
 
@@ -227,6 +229,17 @@ class SavePipeline:
         self._stage_pool.shutdown(wait=True)
         self._persist_pool.shutdown(wait=True)
 
+    def retire(self) -> None:
+        """Refuse further saves and give up the pending ones without waiting for them: the group
+        they run on is gone (the worker changed rounds in place). Waits only for staging (local
+        copies; a new arena of this rank must not meet a copy still being written); a save still
+        persisting ends on its own, without retrying or committing (its collectives fail on the
+        left group, or wait out its timeout on a frozen peer, in its own thread)."""
+        self._closed = self._retired = True
+        self._stage_pool.shutdown(wait=True)
+        self._persist_pool.shutdown(wait=False, cancel_futures=True)
+        self._pending = []
+
     def _stage(self, slot: int, sd: Any, handle: SaveHandle, step: int) -> Any:
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
@@ -286,6 +299,9 @@ class SavePipeline:
             attempts = 0
             for attempt in range(self._retries + 1):
                 attempts = attempt + 1
+                if self._retired:
+                    error = error or RoundChanged("the checkpointer was retired (its worker changed rounds)")
+                    break
                 try:
                     written = self._attempt(folder, step, sd)
                     error = None
@@ -295,7 +311,7 @@ class SavePipeline:
                     break
                 except Exception as exc:  # storage errors come in many types (OSError, botocore, DCP's)
                     error = exc
-                    if attempt < self._retries:
+                    if attempt < self._retries and not self._retired:
                         delay = self._retry_backoff * (2 ** attempt)
                         log.warning("checkpoint step %d: attempt %d failed (%s); retrying in %.1f s",
                                     step, attempt + 1, brief(exc), delay)
@@ -330,6 +346,8 @@ class SavePipeline:
             raise OSError(cleared)
         writer = dcp_writer(loc, folder, self._thread_count)
         dcp.save(sd, storage_writer=writer, process_group=g.pg, no_dist=not g.distributed)
+        if self._retired:  # written, but its round is over: never made a checkpoint
+            raise RoundChanged(f"checkpoint step {step} was written after its checkpointer was retired")
         return self._committer.commit(folder, step)
 
 

@@ -369,6 +369,10 @@ class Runtime:
         also go to the node's memory tier; and its reports go to the agent (:meth:`report`), which
         replicates the memory checkpoints to peer nodes and counts them in its metrics. Elsewhere
         it is a plain Checkpointer. Every rank must call this alike (it creates a process group).
+
+        In place, a checkpointer belongs to one round (its process groups come from that round's,
+        its commits are fenced by it): after :meth:`reconfigure`, ``ck.retire()`` the old one (its
+        save in flight is given up, never committed) and call this again on every rank.
         """
         from ftrt.checkpoint import Checkpointer
         from ftrt.checkpoint.pointer import job_pointer
