@@ -3,10 +3,11 @@ the request, whichever rank saw it, and every rank gets the same answer at every
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from dataclasses import dataclass
 
 import pytest
+
+from tests.ranks import run_ranks, say
 
 torch = pytest.importorskip("torch")
 
@@ -42,21 +43,12 @@ def _rank(rank: int, init: str, asked_rank: int, out) -> None:
         answers.append(vote())
     vote.close()
     dist.destroy_process_group()
-    out.put((rank, answers))
+    say(out, rank, answers)
 
 
 @pytest.mark.parametrize("asked_rank", [0, 1])
 def test_the_ranks_agree_one_step_after_the_first_saw_the_request(tmp_path, asked_rank):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    init = f"file://{tmp_path / 'store'}"
-    procs = [ctx.Process(target=_rank, args=(r, init, asked_rank, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    results = run_ranks(_rank, tmp_path, asked_rank)
     expected = [False, False, False, False, True, True]  # asked at step 3: agreed at step 4
     assert results == {0: expected, 1: expected}
 

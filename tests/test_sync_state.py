@@ -3,11 +3,12 @@ step, and with a bounded wait a frozen peer ends the agreement in WorldChanged i
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
 import pytest
+
+from tests.ranks import run_ranks, say
 
 torch = pytest.importorskip("torch")
 
@@ -21,22 +22,13 @@ def _agree(rank: int, init: str, bounded: bool, out) -> None:
     params = [torch.full((3,), float(rank)), torch.full((2, 2), 10.0 + rank)]
     wait = (lambda work: work.wait()) if bounded else None
     step = sync_state(7 if rank == 1 else 6, params, wait=wait)  # rank 1 applied one more step
-    out.put((rank, step, [p.tolist() for p in params]))
     dist.destroy_process_group()
+    say(out, rank, (step, [p.tolist() for p in params]))
 
 
 @pytest.mark.parametrize("bounded", [False, True])
 def test_the_rank_behind_gets_the_newest_state(tmp_path, bounded):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    init = f"file://{tmp_path / 'store'}"
-    procs = [ctx.Process(target=_agree, args=(r, init, bounded, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {rank: (step, params) for rank, step, params in (out.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    got = run_ranks(_agree, tmp_path, bounded)
     newest = (7, [[1.0, 1.0, 1.0], [[11.0, 11.0], [11.0, 11.0]]])
     assert got == {0: newest, 1: newest}
 
@@ -49,7 +41,7 @@ def _frozen_peer(rank: int, init: str, out) -> None:
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     if rank == 1:  # never joins the agreement: as a frozen peer, its sockets stay open
-        out.put((rank, "frozen"))
+        say(out, rank, "frozen")
         time.sleep(3600)
     slices = []
 
@@ -61,26 +53,13 @@ def _frozen_peer(rank: int, init: str, out) -> None:
     try:
         sync_state(5, [torch.zeros(4)], wait=lambda work: wait_leaving(work, gone))
     except WorldChanged as exc:
-        out.put((rank, f"left after {time.monotonic() - t0:.1f} s: {exc}"))
+        say(out, rank, f"left after {time.monotonic() - t0:.1f} s: {exc}")
     else:
-        out.put((rank, "the agreement completed without its peer"))
-    out.close()
-    out.join_thread()  # what was put is sent before the exit below
+        say(out, rank, "the agreement completed without its peer")
     os._exit(0)  # the group is never freed: its threads wait on the frozen peer
 
 
 def test_a_frozen_peer_ends_a_bounded_agreement_in_world_changed(tmp_path):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    init = f"file://{tmp_path / 'store'}"
-    procs = [ctx.Process(target=_frozen_peer, args=(r, init, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        said = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        procs[1].kill()
-        for p in procs:
-            p.join(30)
+    said = run_ranks(_frozen_peer, tmp_path, kill=(1,))
     assert said[1] == "frozen"
     assert "Round 3 replaced round 2 while a collective waited" in said[0], said[0]

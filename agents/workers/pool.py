@@ -420,20 +420,7 @@ class WorkerPool:
     async def wait_in_place(self, workers: list[Worker], timeout: float) -> bool:
         """Wait until each of ``workers`` said it changes rounds in place, or exited, at most
         ``timeout`` seconds; True if every one said so and lives."""
-
-        async def one(w: Worker) -> None:
-            events = [asyncio.ensure_future(w.said_in_place.wait()), asyncio.ensure_future(w.exited.wait())]
-            try:
-                await asyncio.wait(events, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for e in events:
-                    e.cancel()
-
-        waits = [asyncio.ensure_future(one(w)) for w in workers]
-        if waits:
-            _, pending = await asyncio.wait(waits, timeout=timeout)
-            for task in pending:
-                task.cancel()
+        await _each_or_exit(workers, lambda w: w.said_in_place, timeout)
         return all(w.said_in_place.is_set() and w.exit_code is None for w in workers)
 
     def hand_round(self, worker: Worker, *, local_rank: int, rank: int, round_no: int, env: dict[str, str]) -> bool:
@@ -507,20 +494,7 @@ class WorkerPool:
 
     async def wait_taken(self, workers: list[Worker], timeout: float) -> None:
         """Wait until each of ``workers`` took the round it was handed (or exited), at most ``timeout`` s."""
-
-        async def one(w: Worker) -> None:
-            events = [asyncio.ensure_future(w.took_round.wait()), asyncio.ensure_future(w.exited.wait())]
-            try:
-                await asyncio.wait(events, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for e in events:
-                    e.cancel()
-
-        waits = [asyncio.ensure_future(one(w)) for w in workers if not (w.took_round.is_set() or w.exited.is_set())]
-        if waits:
-            _, pending = await asyncio.wait(waits, timeout=timeout)
-            for task in pending:
-                task.cancel()
+        await _each_or_exit(workers, lambda w: w.took_round, timeout)
 
     async def discard(self, workers: list[Worker]) -> None:
         """Kill workers taken for a round that cannot use them (one that never started)."""
@@ -557,3 +531,22 @@ class WorkerPool:
             tpl.proc.cancel()
         for w in list(self._all):
             w.proc.cancel()
+
+
+async def _each_or_exit(workers: list[Worker], event: Callable[[Worker], asyncio.Event], timeout: float) -> None:
+    """Wait until, for each of ``workers``, ``event(worker)`` is set or the worker exited, at most
+    ``timeout`` seconds in all."""
+
+    async def one(w: Worker) -> None:
+        events = [asyncio.ensure_future(event(w).wait()), asyncio.ensure_future(w.exited.wait())]
+        try:
+            await asyncio.wait(events, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for e in events:
+                e.cancel()
+
+    waits = [asyncio.ensure_future(one(w)) for w in workers if not (event(w).is_set() or w.exited.is_set())]
+    if waits:
+        _, pending = await asyncio.wait(waits, timeout=timeout)
+        for task in pending:
+            task.cancel()

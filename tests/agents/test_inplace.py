@@ -87,9 +87,11 @@ def test_a_lost_node_leaves_the_survivors_running_in_their_processes(tmp_path, m
     assert after == set(pids.values()) - {lost}, f"survivors' pids changed: before {pids}, after {after}"
 
 
-def test_a_joining_node_gets_the_weights_and_the_running_rank_keeps_its_process(tmp_path, make_node):
+def join_b(tmp_path, make_node, extra: tuple[str, ...] = ()):
+    """a trains alone, b joins it, both train to the end (120 steps, every one once, with one
+    state); returns (a, b, progress)."""
     progress = Progress(tmp_path / "p.jsonl")
-    script = in_place_args(progress, 120)
+    script = in_place_args(progress, 120, extra)
     a = make_node("a", script, nnodes="1:2")
     wait_until(lambda: progress.stepping(world=1, ranks=1), 60, "a stepping alone")
     b = make_node("b", script, nnodes="1:2")
@@ -97,6 +99,11 @@ def test_a_joining_node_gets_the_weights_and_the_running_rank_keeps_its_process(
     assert a.wait(90) == 0, a.log()
     assert b.wait(30) == 0, b.log()
     assert_every_step_once_with_one_state(progress, 120)
+    return a, b, progress
+
+
+def test_a_joining_node_gets_the_weights_and_the_running_rank_keeps_its_process(tmp_path, make_node):
+    a, b, progress = join_b(tmp_path, make_node)
     pids = pids_by_rank_and_round(progress)
     a_pids = {x["pid"] for x in progress.lines() if x["rank"] == 0}
     assert len(a_pids) == 1, f"the running rank was restarted at the join: {pids}"
@@ -112,15 +119,7 @@ def test_a_joining_node_gets_the_weights_and_the_running_rank_keeps_its_process(
 def test_a_newcomer_that_fails_while_warming_up_is_replaced_when_admitted(tmp_path, make_node):
     """b's worker, started before b's admission, exits while it warms up: b still joins, with a
     fresh worker, and no step is lost."""
-    progress = Progress(tmp_path / "p.jsonl")
-    script = in_place_args(progress, 120, ("--fail-before-admission",))
-    a = make_node("a", script, nnodes="1:2")
-    wait_until(lambda: progress.stepping(world=1, ranks=1), 60, "a stepping alone")
-    b = make_node("b", script, nnodes="1:2")
-    wait_until(lambda: progress.stepping(world=2, ranks=2), 60, "both stepping at world 2")
-    assert a.wait(90) == 0, a.log()
-    assert b.wait(30) == 0, b.log()
-    assert_every_step_once_with_one_state(progress, 120)
+    _, b, progress = join_b(tmp_path, make_node, ("--fail-before-admission",))
     assert "exited with code 1 before it was admitted" in b.log()
     assert "did not all reach rt.init_process_group" in b.log()
     assert len({x["pid"] for x in progress.lines() if x["rank"] == 0}) == 1

@@ -4,12 +4,13 @@ fails (a dead peer) is not retried; a checkpointer built on the new group commit
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.ranks import run_ranks, say
 
 torch = pytest.importorskip("torch")
 
@@ -28,9 +29,7 @@ def _rank(rank: int, init: str, root: str, peer: str, out) -> None:
     ck = Checkpointer(root, retry_backoff=5.0)
     ck.save(1, state).wait()
     if rank == 1:
-        out.put((rank, "saved step 1"))
-        out.close()
-        out.join_thread()  # sent before the exit or the freeze below
+        say(out, rank, "saved step 1")
         if peer == "frozen":
             time.sleep(3600)  # never takes part in the save of step 2: its sockets stay open
         os._exit(0)  # a dead peer: its sockets close
@@ -49,27 +48,14 @@ def _rank(rank: int, init: str, root: str, peer: str, out) -> None:
     if peer == "dead":
         handle._future.exception(timeout=30)  # the save fails on its own, without a 5 s retry backoff
     failed_s = time.monotonic() - t0
-    out.put((rank, {"retired_s": retired_s, "failed_s": failed_s, "refused": refused}))
-    out.close()
-    out.join_thread()
+    say(out, rank, {"retired_s": retired_s, "failed_s": failed_s, "refused": refused})
     os._exit(0)  # the old group is never freed (a thread may still wait on the frozen peer)
 
 
 @pytest.mark.parametrize("peer", ["frozen", "dead"])
 def test_a_retired_checkpointer_gives_up_its_save_at_once_and_never_commits_it(tmp_path, peer):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     root = tmp_path / "ck"
-    procs = [ctx.Process(target=_rank, args=(r, f"file://{tmp_path / 'store'}", str(root), peer, out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        said = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        procs[1].kill()
-        for p in procs:
-            p.join(30)
+    said = run_ranks(_rank, tmp_path, str(root), peer, kill=(1,))
     got = said[0]
     assert said[1] == "saved step 1"
     assert got["retired_s"] < 3.0, got  # staging only; not the save stuck on the peer
