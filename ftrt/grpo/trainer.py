@@ -161,9 +161,9 @@ class _Step:
     parts: list[tuple[str, list[int]]]
     """Which node trained which prompts, in rank order."""
     round_ends: bool
+    """A node is joining: the round ends after this step (never after the last one)."""
     round_end_durable: bool
     """The round ends after this step with a storage save (the next round is inactive)."""
-    """A node is joining: the round ends after this step (never after the last one)."""
     sampling: dict[str, Any]
     """The sampling's metrics-line fields (fleet: weight version, servers, timings)."""
 
