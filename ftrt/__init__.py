@@ -24,7 +24,7 @@ from ftrt.errors import (
     StoreUnavailable,
     WorldChanged,
 )
-from ftrt.inplace import sync_state
+from ftrt.inplace import sync_state, sync_state_dict
 from ftrt.runtime import Runtime, init
 from ftrt.roundend import RoundEndVote
 
@@ -39,5 +39,6 @@ __all__ = [
     "RoundChanged",
     "WorldChanged",
     "sync_state",
+    "sync_state_dict",
     "CheckpointCorrupt",
 ]

@@ -15,7 +15,9 @@ A training loop then needs three things, which this module and :class:`ftrt.Runt
    the new one (same backend, new rank and world size); rebuild what wraps the group (DDP).
 3. **Agree on the state.** Ranks may be one optimizer step apart after a fault (a peer died after
    some ranks applied a step) and a newcomer has nothing: :func:`sync_state` agrees on the newest
-   step and broadcasts the state from a rank that has it.
+   step and broadcasts the state from a rank that has it (tensors in the same order on every
+   rank); :func:`sync_state_dict` does it for a checkpointer's state dict (a newcomer's optimizer
+   state and a trainer's counters included).
 
 Every round's process group meets in a TCPStore under its own prefix (:func:`round_store`), so a
 store that outlives a round (it lives in the first node's local rank 0 worker, which now also
@@ -149,4 +151,86 @@ def sync_state(step: int, tensors: Iterable["torch.Tensor"], *, wait: "Callable[
     src = applied.index(newest)
     for t in tensors:
         done(dist.broadcast(t.data if t.requires_grad else t, src, async_op=True))
+    return newest
+
+
+def sync_state_dict(step: int, state: dict[str, Any], *, wait: "Callable[[Any], None] | None" = None) -> int:
+    """:func:`sync_state` for a whole state as a :class:`~ftrt.checkpoint.Checkpointer` takes it
+    (modules, optimizers, objects with ``state_dict``, tensors, and plain values such as a trainer's
+    counters): agree on the newest ``step`` and give every rank that state from the lowest rank that
+    applied it; returns that step.
+
+    Unlike :func:`sync_state` the ranks need not hold the same tensors: a newcomer's optimizer has
+    no state before its first step, and gets it here. Nothing is unpickled: the sender describes its
+    state as a memory checkpoint's index (JSON, checked on each receiver by
+    :func:`ftrt.checkpoint.memindex.check_index`) and sends its tensors as one buffer, which the
+    receivers load as a restore would (:func:`ftrt.checkpoint.state.apply`). The state must not be
+    sharded (DTensors: each rank holds a part only). ``wait`` as in :func:`sync_state`. Collective;
+    every rank calls it with a state of the same structure. Raises :class:`~ftrt.errors.FtrtError`
+    on every rank when a receiver could not take the sender's state (a model of another shape)."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from ftrt.checkpoint import memtier
+    from ftrt.checkpoint import state as st
+    from ftrt.checkpoint.memindex import BadIndex, check_index
+    from ftrt.errors import FtrtError
+
+    def done(work: Any) -> None:
+        if wait is None:
+            work.wait()
+        else:
+            wait(work)
+
+    mine = torch.tensor([step], dtype=torch.int64)
+    steps = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    done(dist.all_gather(steps, mine, async_op=True))
+    applied = [int(t.item()) for t in steps]
+    newest = max(applied)
+    if min(applied) == newest:
+        return newest  # every rank holds it already: nothing to send
+    src, me = applied.index(newest), dist.get_rank()
+    length = torch.zeros(1, dtype=torch.int64)
+    if me == src:
+        flat, skeleton = memtier.flatten(st.to_dcp(state))
+        if any(memtier._is_dtensor(t) for t in flat.values()):
+            length.fill_(-1)  # every rank learns it and raises
+        else:
+            entries, size = memtier.layout(flat)
+            index = {"step": newest, "round": 0, "rank": 0, "world": 1, "slot": 0, "size": size,
+                     "entries": entries, "skeleton": skeleton}
+            raw = torch.frombuffer(bytearray(json.dumps(index, separators=(",", ":")).encode()), dtype=torch.uint8)
+            length.fill_(raw.numel())
+    done(dist.broadcast(length, src, async_op=True))
+    if length.item() < 0:
+        raise FtrtError(f"sync_state_dict cannot send rank {src}'s state: it is sharded (DTensors, each rank "
+                        "holds a part only); restore it from the memory checkpoints instead.")
+    if me != src:
+        raw = torch.empty(int(length.item()), dtype=torch.uint8)
+    done(dist.broadcast(raw, src, async_op=True))
+    error = ""
+    try:
+        index = check_index(json.loads(bytes(raw.numpy())))
+    except (ValueError, BadIndex) as exc:  # a JSON error is a ValueError too
+        index, error = None, f"the state rank {src} described is not usable: {exc}"
+    buf = torch.empty(max(int(index["size"]) if index is not None else 1, 1), dtype=torch.uint8)
+    if me == src:
+        for e in index["entries"]:
+            t = flat[e["key"]].detach()
+            buf[e["offset"]:e["offset"] + e["nbytes"]].view(t.dtype).view(t.shape).copy_(t)
+    done(dist.broadcast(buf, src, async_op=True))
+    if me != src and index is not None:
+        values = {e["key"]: buf[e["offset"]:e["offset"] + e["nbytes"]].view(memtier._dtype(e["dtype"]))
+                  .view(e["local_shape"]) for e in index["entries"]}
+        try:
+            st.apply(state, memtier.unflatten(index["skeleton"], values))
+        except (RuntimeError, KeyError, ValueError) as exc:  # torch's load errors: other names or shapes
+            error = f"this rank's state does not take rank {src}'s: {str(exc)[:300]}"
+    failed = torch.tensor([1 if error else 0], dtype=torch.int32)
+    done(dist.all_reduce(failed, op=dist.ReduceOp.MAX, async_op=True))
+    if failed.item():
+        raise FtrtError(f"The ranks could not agree on the state of step {newest}: "
+                        f"{error or 'another rank could not take it'}.")
     return newest
