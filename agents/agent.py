@@ -153,8 +153,9 @@ class Agent:
         if self.cfg.recovery == "in-place" and not pool.running and not pool.early and await self._joins_in_place():
             try:
                 await self._start_early()
-            except (OSError, ValueError) as exc:  # the node still joins: its workers then start once admitted
-                self.log.error("could not start workers before admission: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - any failure: the node still joins, as without an early start
+                self.log.error("could not start workers before admission (%r); they start once the node is admitted",
+                               exc)
         record = membership.record
         if record is None or record.incarnation != incarnation or record.ready:
             return
