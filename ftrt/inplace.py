@@ -116,7 +116,23 @@ def round_store(addr: str, port: int, round_no: int, timeout: float):
     return dist.PrefixStore(round_prefix(round_no), client)
 
 
-def sync_state(step: int, tensors: Iterable["torch.Tensor"], *, wait: "Callable[[Any], None] | None" = None) -> int:
+def _waiter(wait: Callable[[Any], None] | None) -> Callable[[Any], None]:
+    """How the agreement waits for a collective: ``wait(work)``, or a blocking ``work.wait()``."""
+    return wait if wait is not None else (lambda work: work.wait())
+
+
+def _applied_steps(step: int, done: Callable[[Any], None]) -> list[int]:
+    """Every rank's last applied step, in rank order (one all-gather on the default group)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([step], dtype=torch.int64)
+    steps = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    done(dist.all_gather(steps, mine, async_op=True))
+    return [int(t.item()) for t in steps]
+
+
+def sync_state(step: int, tensors: Iterable["torch.Tensor"], *, wait: Callable[[Any], None] | None = None) -> int:
     """Agree on the newest ``step`` over the default process group and give every rank the state of
     a rank that has it; returns that step.
 
@@ -135,16 +151,8 @@ def sync_state(step: int, tensors: Iterable["torch.Tensor"], *, wait: "Callable[
     import torch
     import torch.distributed as dist
 
-    def done(work: Any) -> None:
-        if wait is None:
-            work.wait()
-        else:
-            wait(work)
-
-    mine = torch.tensor([step], dtype=torch.int64)
-    steps = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    done(dist.all_gather(steps, mine, async_op=True))
-    applied = [int(t.item()) for t in steps]
+    done = _waiter(wait)
+    applied = _applied_steps(step, done)
     newest = max(applied)
     if min(applied) == newest:
         return newest  # every rank holds it already: nothing to send
@@ -154,7 +162,7 @@ def sync_state(step: int, tensors: Iterable["torch.Tensor"], *, wait: "Callable[
     return newest
 
 
-def sync_state_dict(step: int, state: dict[str, Any], *, wait: "Callable[[Any], None] | None" = None) -> int:
+def sync_state_dict(step: int, state: dict[str, Any], *, wait: Callable[[Any], None] | None = None) -> int:
     """:func:`sync_state` for a whole state as a :class:`~ftrt.checkpoint.Checkpointer` takes it
     (modules, optimizers, objects with ``state_dict``, tensors, and plain values such as a trainer's
     counters): agree on the newest ``step`` and give every rank that state from the lowest rank that
@@ -178,16 +186,8 @@ def sync_state_dict(step: int, state: dict[str, Any], *, wait: "Callable[[Any], 
     from ftrt.checkpoint.memindex import BadIndex, check_index
     from ftrt.errors import FtrtError
 
-    def done(work: Any) -> None:
-        if wait is None:
-            work.wait()
-        else:
-            wait(work)
-
-    mine = torch.tensor([step], dtype=torch.int64)
-    steps = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    done(dist.all_gather(steps, mine, async_op=True))
-    applied = [int(t.item()) for t in steps]
+    done = _waiter(wait)
+    applied = _applied_steps(step, done)
     newest = max(applied)
     if min(applied) == newest:
         return newest  # every rank holds it already: nothing to send
