@@ -161,8 +161,9 @@ def test_a_worker_started_before_admission_waits_warm_for_its_first_round(pipe, 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
     new_env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
                "FTRT_ROUND": "4", "FTRT_ADMISSION": ""}
-    for name in new_env:
-        monkeypatch.delenv(name, raising=False)  # restored after the test: the worker writes them
+    for name in new_env:  # restored after the test: the worker writes them into os.environ
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     rt = Runtime(launched_by_ftrt=True, recovery="in-place", pending=True, _report_fd=report_w,
                  _control=ControlChannel(r, after=0))
     joined = threading.Thread(target=rt.init_process_group, args=("gloo",))
@@ -212,7 +213,8 @@ def test_a_pending_worker_knows_its_place_on_the_node_but_not_in_the_round():
     job = dict(node_id="n0", local_rank=1, local_world_size=2, job_id="j", max_restarts=0, agent_addr="h:1")
     pending = pending_env(**job)
     assert pending["FTRT_ADMISSION"] == "pending" and pending["LOCAL_RANK"] == "1"
-    assert not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "FTRT_ROUND"} & set(pending)
+    assert not any(pending[name] for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    assert pending["FTRT_ROUND"] == "0"  # an agent's own FTRT_ROUND (it runs inside a job) never hides round 1
     rnd = RoundRecord(round=5, members=(Member("n1", "i", 1), Member("n0", "i", 2)))
     env = worker_env(rnd, master_addr="127.0.0.1", master_port=1, **job)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["FTRT_ADMISSION"]) == ("2", "3", "2", "")

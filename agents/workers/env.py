@@ -68,8 +68,16 @@ def pending_env(**job) -> dict[str, str]:
     """Variables for a worker started before its node is admitted to a running job whose workers
     change rounds in place (:func:`job_env`'s keywords): it runs its script up to
     :meth:`ftrt.Runtime.init_process_group` (imports, model, compilation), and its round, rank and
-    world come later as a :class:`ftrt.control.NewRound` (:func:`worker_env`)."""
-    return {**job_env(**job), envnames.ADMISSION: "pending"}
+    world come later as a :class:`ftrt.control.NewRound` (:func:`worker_env`). The round's variables
+    are blank (round 0): ones the agent's own environment carries (it may run inside another job)
+    must not pass for this worker's round, nor hide the round that admits it."""
+    return {**job_env(**job), **dict.fromkeys(ROUND_VARIABLES, ""), envnames.ROUND: "0",
+            envnames.ADMISSION: "pending"}
+
+
+ROUND_VARIABLES = ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                   "MASTER_ADDR", "MASTER_PORT")
+"""torchrun's variables that :func:`worker_env` sets for a round (blank before admission)."""
 
 
 def worker_env(
