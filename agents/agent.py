@@ -214,9 +214,6 @@ class Agent:
         """Once every worker of this node's round said it changes rounds in place, say so in the
         node's record: a node joining later then starts its workers before it is admitted."""
         p = self.parts
-        record = p.membership.record
-        if record is None or record.in_place or self.cfg.recovery != "in-place":
-            return
         if await p.pool.wait_in_place(workers, self.cfg.join_timeout):
             await p.membership.update(in_place=True)
 
@@ -610,7 +607,8 @@ class Agent:
             rnd.round, how if kept else "started",
             offset, last, rnd.world_size, rnd.reason, (time.monotonic() - t0) * 1000,
         )
-        self._spawn(self._say_in_place(list(p.pool.running)))
+        if self.cfg.recovery == "in-place" and p.membership.record is not None and not p.membership.record.in_place:
+            self._spawn(self._say_in_place(list(p.pool.running)))
         if len(p.pool.spares) < self.cfg.nproc_per_node:  # used now, or by workers started before admission
             age = time.time() - (rnd.job_started or time.time())
             mtbf = estimate_mtbf(self.cfg.mtbf, rnd.faults, age).seconds

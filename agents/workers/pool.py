@@ -76,16 +76,20 @@ class Worker:
     """Killed past ``--teardown-timeout`` after it said it was done: its exit counts as success."""
     polls_boundary: bool = False
     """It polls the round-end file (:mod:`ftrt.agents.workers.boundary`): a planned round waits for it."""
-    in_place: bool = False
-    """It changes rounds without exiting (:class:`~ftrt.reports.InPlace`): a new round is handed to it."""
     said_in_place: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set once it said so; for a worker started before its node is admitted, that it is warm."""
+    """Set once it said it changes rounds in place (:class:`~ftrt.reports.InPlace`); for a worker
+    started before its node is admitted, that it is warm."""
     took_round: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once it acknowledged the round it was last handed (:meth:`WorkerPool.hand_round`)."""
     assigned_at: float = 0.0
     since_round: int = 0
     """The round this process was first assigned in (it may have taken later ones in place)."""
     stopping: bool = False
+
+    @property
+    def in_place(self) -> bool:
+        """It changes rounds without exiting: a new round is handed to it."""
+        return self.said_in_place.is_set()
 
     @property
     def pid(self) -> int:
@@ -127,7 +131,6 @@ class Worker:
             case reports.Boundary():
                 self.polls_boundary = True
             case reports.InPlace():
-                self.in_place = True
                 self.said_in_place.set()
             case reports.Reconfigured(round=round_no):
                 if round_no == self.round:
@@ -391,9 +394,7 @@ class WorkerPool:
         self._place(worker, local_rank=local_rank, rank=rank, round_no=round_no)
         worker.since_round = round_no
         worker.state = WorkerState.RUNNING
-        sent = worker.proc.send({"env": env, "argv": list(argv), "script": os.path.abspath(script) if script else None,
-                                 "module": module, "cwd": os.getcwd()})
-        if not sent:  # it died meanwhile: its exit is reported as usual
+        if not worker.proc.send(_job(env, script, module, argv)):  # it died meanwhile: its exit is reported as usual
             log.warning("could not hand rank %d to worker pid %d: it is gone", rank, worker.pid)
         self.running.append(worker)  # its control pipe stays open: it may take later rounds in place
 
@@ -406,14 +407,8 @@ class WorkerPool:
         worker.local_rank = local_rank
         worker.state = WorkerState.PENDING
         worker.assigned_at = time.monotonic()
-        if self.log_dir:
-            path = Path(self.log_dir) / "pending" / f"local-rank-{local_rank}.log"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            worker.proc.log_to(str(path), f"[local{local_rank}]: ".encode())
-        else:
-            worker.proc.prefix = f"[local{local_rank}]: ".encode()
-        if not worker.proc.send({"env": env, "argv": list(argv), "module": module, "cwd": os.getcwd(),
-                                 "script": os.path.abspath(script) if script else None}):
+        self._output(worker, f"pending/local-rank-{local_rank}.log", f"[local{local_rank}]: ")
+        if not worker.proc.send(_job(env, script, module, argv)):
             log.warning("could not start worker pid %d before admission: it is gone", worker.pid)
         self.early.append(worker)
 
@@ -436,12 +431,17 @@ class WorkerPool:
         """Give ``worker`` its rank in round ``round_no``: its fields, and where its output goes."""
         worker.local_rank, worker.rank, worker.round = local_rank, rank, round_no
         worker.assigned_at = time.monotonic()
+        self._output(worker, f"round-{round_no}/rank-{rank}.log", f"[rank{rank}]: ")
+
+    def _output(self, worker: Worker, name: str, prefix: str) -> None:
+        """Where ``worker``'s output goes from now on: ``name`` under ``--log-dir`` (also), with
+        ``prefix`` on each line."""
         if self.log_dir:
-            path = Path(self.log_dir) / f"round-{round_no}" / f"rank-{rank}.log"
+            path = Path(self.log_dir) / name
             path.parent.mkdir(parents=True, exist_ok=True)
-            worker.proc.log_to(str(path), f"[rank{rank}]: ".encode())
+            worker.proc.log_to(str(path), prefix.encode())
         else:
-            worker.proc.prefix = f"[rank{rank}]: ".encode()
+            worker.proc.prefix = prefix.encode()
 
     async def keep(self, *, recovery: str, holds_store: bool) -> dict[int, Worker]:
         """The running workers that take the next round in place, by local rank
@@ -450,19 +450,16 @@ class WorkerPool:
 
         A node being admitted has no running workers but may have workers started early
         (:meth:`start_early`): those are kept alike, and stopped when they cannot be kept."""
-        if self.early and not self.running:
+        admitting = bool(self.early) and not self.running
+        if admitting:
             self.running, self.early = self.early, []
             for w in self.running:
                 w.state = WorkerState.RUNNING  # its exit from now on fails the round, as any rank's
-            kept = keep_in_place(self.running, nproc=self.nproc, recovery=recovery, holds_store=holds_store)
-            if not kept:
-                log.warning("the workers started before this node's admission are not usable in place; "
-                            "fresh ones start")
-                await self.stop_running(0.0)
-                return {}
-        else:
-            kept = keep_in_place(self.running, nproc=self.nproc, recovery=recovery, holds_store=holds_store)
-        if kept:
+        kept = keep_in_place(self.running, nproc=self.nproc, recovery=recovery, holds_store=holds_store)
+        if not kept and admitting:
+            log.warning("the workers started before this node's admission are not usable in place; fresh ones start")
+            await self.stop_running(0.0)
+        elif kept:
             gone = [w for w in self.running if w not in kept.values()]
             self.running = [w for w in self.running if w in kept.values()]
             await self._stop(gone, 0.0)
@@ -550,3 +547,9 @@ async def _each_or_exit(workers: list[Worker], event: Callable[[Worker], asyncio
         _, pending = await asyncio.wait(waits, timeout=timeout)
         for task in pending:
             task.cancel()
+
+
+def _job(env: dict[str, str], script: str | None, module: str | None, argv: tuple[str, ...]) -> dict:
+    """A worker's job, as its control pipe carries it (:mod:`ftrt.agents.workers._bootstrap` reads it)."""
+    return {"env": env, "argv": list(argv), "script": os.path.abspath(script) if script else None,
+            "module": module, "cwd": os.getcwd()}
