@@ -45,7 +45,10 @@ from ftrt import _diag
 from ftrt.chaos.local import read_jsonl, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("ftrt", "torchrun")
+SYSTEMS = ("ftrt", "ftrt-inplace", "torchrun", "torchft")
+"""``ftrt``: ``--recovery restart`` (every round change restarts the workers, the series measured
+before in-place recovery); ``ftrt-inplace``: the default, the survivors keep their processes;
+``torchft``: its replica groups (:mod:`bench.torchft_grpo_worker`)."""
 GRPO = {
     "prompts_per_step": 64, "group_size": 16, "model.d_model": 128, "model.n_layers": 2, "model.n_heads": 4,
     "progress": "none", "steps": 1_000_000,
@@ -110,9 +113,18 @@ def run_one(system: str, *, duration: float, every: float, down: float, ckpt_eve
     metrics = work / "metrics.jsonl"
     overrides = {**grpo, "metrics_path": str(metrics), "checkpoint.url": str(work / "ckpt"),
                  "checkpoint.interval": ckpt_every, "checkpoint.keep": 2}
-    script = ["-m", "ftrt.grpo", *(f"{k}={v}" for k, v in overrides.items())]
-    c = Cluster(system, work, nnodes="2:3", max_restarts=1000,
-                launch_extra=("--mtbf", f"{mtbf:g}") if mtbf is not None else ())
+    config = [f"{k}={v}" for k, v in overrides.items()]
+    if system == "torchft":
+        from bench.torchft_baseline import GRPO_WORKER, TorchftCluster
+
+        c: Cluster | TorchftCluster = TorchftCluster(work, nnodes="2:3")
+        script = [str(GRPO_WORKER), *config]
+    else:
+        extra = (*(("--mtbf", f"{mtbf:g}") if mtbf is not None else ()),
+                 *(("--recovery", "restart") if system == "ftrt" else ()))
+        c = Cluster("ftrt" if system.startswith("ftrt") else system, work, nnodes="2:3", max_restarts=1000,
+                    launch_extra=extra)
+        script = ["-m", "ftrt.grpo", *config]
     faults: list[dict] = []
     try:
         t_launch = time.time()
@@ -217,10 +229,11 @@ def render(rows: list[dict]) -> str:
                      f"{r['median_step_s']:>13.3f} s{med(kill):>18}{med(rejoin):>14}"
                      f"{med(stall_kill):>13}{med(stall_join):>9}")
     by = {r["system"]: r for r in rows}
-    if "ftrt" in by and "torchrun" in by and by["torchrun"]["goodput"]:
-        lines.append(f"ftrt / torchrun goodput: {by['ftrt']['goodput'] / by['torchrun']['goodput']:.2f}x; "
-                     f"steps trained: {by['ftrt']['steps']} vs {by['torchrun']['steps']} "
-                     f"({by['ftrt']['steps'] / max(by['torchrun']['steps'], 1):.2f}x)")
+    for mine, base in _pairs(list(by)):
+        a, b = by[mine], by[base]
+        if b["goodput"]:
+            lines.append(f"{mine} / {base} goodput: {a['goodput'] / b['goodput']:.2f}x; steps trained: "
+                         f"{a['steps']} vs {b['steps']} ({a['steps'] / max(b['steps'], 1):.2f}x)")
     lines.append("(pauses: median over the faults of the longest stretch without a step after the kill, "
                  "and after the node restarted; stalls: the gap at the switch to the new world less "
                  "that world's first step, i.e. what the switch itself cost)")
@@ -252,11 +265,21 @@ def duration_for(every: float | None, duration: float, down: float, tail: float 
     return every + down + tail
 
 
-def series(rows: list[dict]) -> list[dict]:
-    """Per fault interval: steps trained by each system in the same wall time, and their ratio.
+BASELINES = ("torchrun", "torchft")
 
-    With repeats (rows carrying ``rep``), steps and goodput are means over the repeats, the ratio
-    is the ratio of the summed steps, and ``pair_ratios`` lists each repeat's own ratio."""
+
+def _pairs(systems: list[str]) -> list[tuple[str, str]]:
+    """(ftrt system, baseline) for every pair of the two present, in the order given."""
+    return [(a, b) for a in systems if a.startswith("ftrt") for b in systems if b in BASELINES]
+
+
+def series(rows: list[dict]) -> list[dict]:
+    """Per fault interval: steps trained by each system in the same wall time, and their ratios.
+
+    ``<system>_steps`` and ``<system>_goodput`` for each system; ``ratios["A/B"]`` for each ftrt
+    system A and baseline B (``steps_ratio``: ftrt over torchrun). With repeats (rows carrying
+    ``rep``), steps and goodput are means over the repeats, a ratio is the ratio of the summed
+    steps, and ``pair_ratios["A/B"]`` lists each repeat's own (``pair_ratios``: ftrt over torchrun)."""
     out = []
     for every in dict.fromkeys(r["every"] for r in rows):
         same = [r for r in rows if r["every"] == every]
@@ -266,14 +289,25 @@ def series(rows: list[dict]) -> list[dict]:
                  **{f"{k}_steps": round(sum(r["steps"] for r in v) / len(v), 1) if len(v) > 1 else v[0]["steps"]
                     for k, v in by.items()},
                  **{f"{k}_goodput": round(sum(r["goodput"] for r in v) / len(v), 4) for k, v in by.items()}}
-        if "ftrt" in by and "torchrun" in by and sum(r["steps"] for r in by["torchrun"]):
-            entry["steps_ratio"] = round(sum(r["steps"] for r in by["ftrt"]) / sum(r["steps"] for r in by["torchrun"]), 4)
-            pairs = {r.get("rep", 0): {} for r in same}
-            for r in same:
-                pairs[r.get("rep", 0)][r["system"]] = r["steps"]
+        pairs = {r.get("rep", 0): {} for r in same}
+        for r in same:
+            pairs[r.get("rep", 0)][r["system"]] = r["steps"]
+        ratios, per_rep = {}, {}
+        for mine, base in _pairs(systems):
+            if not sum(r["steps"] for r in by[base]):
+                continue
+            ratios[f"{mine}/{base}"] = round(sum(r["steps"] for r in by[mine]) / sum(r["steps"] for r in by[base]), 4)
             if len(pairs) > 1:
-                entry["pair_ratios"] = [round(p["ftrt"] / p["torchrun"], 4) for p in pairs.values()
-                                        if p.get("torchrun") and "ftrt" in p]
+                per_rep[f"{mine}/{base}"] = [round(p[mine] / p[base], 4) for p in pairs.values()
+                                             if p.get(base) and mine in p]
+        if ratios:
+            entry["ratios"] = ratios
+        if "ftrt/torchrun" in ratios:
+            entry["steps_ratio"] = ratios["ftrt/torchrun"]
+            if per_rep:
+                entry["pair_ratios"] = per_rep["ftrt/torchrun"]
+        if per_rep:
+            entry["all_pair_ratios"] = per_rep
         out.append(entry)
     return out
 
@@ -285,17 +319,23 @@ def run_order(systems: list[str], reps: int) -> list[tuple[int, str]]:
 
 
 def render_series(entries: list[dict]) -> str:
-    lines = [f"{'fault every':>12}{'wall':>8}{'ftrt steps':>12}{'torchrun steps':>16}{'ratio':>8}"
-             f"{'ftrt goodput':>14}{'torchrun goodput':>18}"]
+    systems = list(dict.fromkeys(k[:-len("_steps")] for e in entries for k in e if k.endswith("_steps")))
+    names = list(dict.fromkeys(n for e in entries for n in e.get("ratios", {})))
+    lines = ["fault every    wall" + "".join(f"{s + ' steps':>20}" for s in systems)
+             + "".join(f"{n:>28}" for n in names) + "".join(f"{s + ' goodput':>20}" for s in systems)]
     for e in entries:
         every = "none" if e["every"] is None else f"{e['every']:g} s"
-        ratio = f"{e['steps_ratio']:.3f}" if "steps_ratio" in e else "-"
-        if e.get("pair_ratios"):
-            ratio += f" ({', '.join(f'{x:.3f}' for x in e['pair_ratios'])})"
-        good = {k: f"{e[k]:.1%}" if k in e else "-" for k in ("ftrt_goodput", "torchrun_goodput")}
-        lines.append(f"{every:>12}{e['wall_s']:>7.0f}s{e.get('ftrt_steps', '-'):>12}{e.get('torchrun_steps', '-'):>16}"
-                     f"  {ratio:>6}{good['ftrt_goodput']:>14}{good['torchrun_goodput']:>18}")
-    lines.append("(steps trained in the same wall time, from each system's first step; ratio: ftrt over torchrun)")
+        row = f"{every:>11}{e['wall_s']:>7.0f}s" + "".join(f"{e.get(s + '_steps', '-'):>20}" for s in systems)
+        for n in names:
+            ratio = f"{e['ratios'][n]:.3f}" if n in e.get("ratios", {}) else "-"
+            reps = e.get("all_pair_ratios", {}).get(n)
+            if reps:
+                ratio += f" ({', '.join(f'{x:.3f}' for x in reps)})"
+            row += f"{ratio:>28}"
+        row += "".join(f"{e[s + '_goodput']:>20.1%}" if s + "_goodput" in e else f"{'-':>20}" for s in systems)
+        lines.append(row)
+    lines.append("(steps trained in the same wall time, from each system's first step; ratios: steps of the ftrt "
+                 "system over the baseline's, and each repeat's own in brackets)")
     return "\n".join(lines)
 
 
@@ -311,7 +351,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-mtbf", dest="tell_mtbf", action="store_false",
                    help="do not tell the trainers the fault interval (by default checkpoint.mtbf=EVERY for "
                         "both systems, so that an auto checkpoint cadence is at its best for the schedule)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="ftrt, torchrun or both (default)")
+    p.add_argument("--systems", default="ftrt-inplace,torchrun",
+                   help=f"comma-separated, from {', '.join(SYSTEMS)} (default ftrt-inplace,torchrun; torchft "
+                        "needs pip install torchft==0.2.0)")
     p.add_argument("--plot", default=None, help="write a PNG here: steps and world size over time (one fault "
                    "interval), or steps trained against the fault interval (several; each timeline beside it)")
     p.add_argument("--reps", type=int, default=1,
@@ -339,7 +381,7 @@ def main(argv: list[str]) -> int:
         for rep, system in run_order(systems, args.reps):
             r = run_one(system, duration=duration, every=math.inf if every is None else every, down=args.down,
                         ckpt_every=args.ckpt_every, grpo=job,
-                        mtbf=every if args.tell_mtbf and system == "ftrt" else None)
+                        mtbf=every if args.tell_mtbf and system.startswith("ftrt") else None)
             r["every"] = every
             r["rep"] = rep
             print(json.dumps({k: v for k, v in r.items() if k != "timeline"}), flush=True)

@@ -36,6 +36,8 @@ from ftrt.chaos.local import LocalNode, StepLog, wait_until
 from ftrt.store.etcd_server import free_port
 
 WORKER = Path(__file__).resolve().parent / "torchft_worker.py"
+GRPO_WORKER = Path(__file__).resolve().parent / "torchft_grpo_worker.py"
+"""The goodput bench's job (:mod:`bench.torchft_grpo_worker`), given the GRPO config as ``KEY=VALUE``."""
 LOOPBACK = "127.0.0.1"
 LIGHTHOUSE_READY_S = 10.0
 """How long the lighthouse may take to listen after its start."""
@@ -57,6 +59,7 @@ class TorchftCluster:
         lighthouse_port = free_port()
         self.env = {
             "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(WORKER.parent.parent),  # the GRPO worker imports bench's modules
             "GLOO_SOCKET_IFNAME": "lo",  # gloo would otherwise pick the interface of the host name
             "NUM_REPLICA_GROUPS": nnodes.split(":")[-1],
             "TORCHFT_LIGHTHOUSE": f"http://{LOOPBACK}:{lighthouse_port}",

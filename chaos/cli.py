@@ -50,6 +50,9 @@ def chaos_main(argv: list[str]) -> int:
         sp.add_argument("--report", default="chaos-report", help="report folder (default ./chaos-report; "
                         "one subfolder per scenario when several are given)")
         sp.add_argument("--seed", type=int, default=0, help="seeds random targets, storms and the job (default 0)")
+        sp.add_argument("--recovery", choices=("in-place", "restart"), default=None,
+                        help="how the agents recover (ftrt launch --recovery), for every scenario run: in-place "
+                             "or restart (default: the scenario's cluster.recovery, in-place unless it says)")
     args = p.parse_args(argv)
     if args.cmd == "list":
         for path, sc in builtin():
@@ -60,6 +63,9 @@ def chaos_main(argv: list[str]) -> int:
         scenarios = [(Path("storm"), storm_scenario(args))]
     else:
         scenarios = [(Path(f), load_scenario(f)) for f in args.files]  # all valid before anything runs
+    if args.recovery is not None:
+        scenarios = [(path, sc.model_copy(update={"cluster": sc.cluster.model_copy(update={"recovery": args.recovery})}))
+                     for path, sc in scenarios]
     return run_scenarios(scenarios, Path(args.report), args.seed)
 
 

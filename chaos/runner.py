@@ -121,7 +121,7 @@ class ChaosRun:
                 "metrics_path": str(self.work / f"{run}-metrics.jsonl"), **ckpt,
                 **({"rollout.mode": "fleet"} if c.rollout_servers else {})}
         return ["--etcd", endpoints, *(access.flags() if access else []), *(agent_flags or []), "--job-id", job_id, "--nnodes", f"{c.min_nodes or 1}:{max_nodes}",
-                "--nproc-per-node", str(c.workers_per_node), "--lease-ttl", str(c.lease_ttl),
+                "--nproc-per-node", str(c.workers_per_node), "--lease-ttl", str(c.lease_ttl), "--recovery", c.recovery,
                 "--hang-timeout", str(c.hang_timeout), "--first-round-wait", "5",
                 *(["--mtbf", f"{mtbf:g}"] if (mtbf := self.sc.agent_mtbf()) is not None else []), "-m", "ftrt.grpo",
                 *(f"{k}={_yaml(v)}" for k, v in grpo.items())]

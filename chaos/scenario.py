@@ -73,6 +73,10 @@ class Cluster(_Strict):
         "--etcd-* access flags, as on a production cluster")
     agent_tls: bool = Field(False, description="agents speak mutual TLS to each other (--tls-cert/--tls-key/--tls-ca, "
                             "certificates made for the run)")
+    recovery: Literal["in-place", "restart"] = Field(
+        "in-place", description="--recovery of every agent: in-place (the default: at a round change the "
+        "surviving workers keep their processes) or restart (every worker restarts); `ftrt chaos run "
+        "--recovery` overrides it")
     rollout_servers: int = Field(0, ge=0, le=8, description="rollout servers (`ftrt rollout serve`, named rollout0, "
                                  "...) started beside the nodes; > 0 runs the job with rollout.mode=fleet")
 

@@ -79,6 +79,9 @@ class Checkpointer:
             :meth:`ftrt.runtime.Runtime.report` (this worker's agent under ``ftrt launch``); a
             checkpointer built by hand with ``mem_dir`` under ``ftrt launch`` needs it too, or
             the agent never hears of its memory checkpoints and does not replicate them.
+        wait: how the training thread waits for its one collective (``skip_if_busy``'s vote),
+            e.g. :meth:`ftrt.Runtime.wait` (``rt.checkpointer`` passes it in place); default:
+            blocking.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class Checkpointer:
         mem_dir: str | None = None,
         report: Callable[[reports.Report], None] | None = None,
         key: CheckpointKey | None = None,
+        wait: Callable[[Any], None] | None = None,
     ) -> None:
         if keep < 1:
             raise ConfigError(f"keep={keep}: a checkpointer must keep at least 1 checkpoint.")
@@ -108,7 +112,7 @@ class Checkpointer:
         """The rendezvous round recorded in this checkpointer's checkpoints."""
         self.mem_dir = mem_dir
         self._report = report or _no_report
-        self._group = CheckpointGroup(process_group)
+        self._group = CheckpointGroup(process_group, wait)
         self.distributed = self._group.distributed
         self.rank, self.world = self._group.rank, self._group.world
         self._arena = memtier.Arena(mem_dir, self.rank) if mem_dir else None

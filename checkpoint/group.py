@@ -9,7 +9,7 @@ torch.distributed every collective is this process alone.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -22,9 +22,13 @@ class CheckpointGroup:
     Args:
         process_group: ranks taking part (default: the whole world if torch.distributed is
             initialised, else this process alone). Must be created on every rank alike.
+        wait: how the training thread's vote waits for its collective (default: blocking);
+            :meth:`ftrt.Runtime.wait` in place, so a frozen peer ends it in
+            :class:`ftrt.WorldChanged` once the next round comes.
     """
 
-    def __init__(self, process_group: Any = None) -> None:
+    def __init__(self, process_group: Any = None, wait: Callable[[Any], None] | None = None) -> None:
+        self._wait = wait or (lambda work: work.wait())
         self.distributed: bool = dist.is_available() and dist.is_initialized()
         """Whether there are other ranks (torch.distributed is initialised)."""
         if self.distributed:
@@ -45,7 +49,7 @@ class CheckpointGroup:
         import torch
 
         t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._vote_pg)
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._vote_pg, async_op=True))
         return tuple(bool(v) for v in t.tolist())
 
     def all_gather(self, obj: Any) -> list[Any]:

@@ -162,7 +162,16 @@ def sync_state(step: int, tensors: Iterable["torch.Tensor"], *, wait: Callable[[
     return newest
 
 
-def sync_state_dict(step: int, state: dict[str, Any], *, wait: Callable[[Any], None] | None = None) -> int:
+def _source(applied: list[int], prefer: int | None) -> int:
+    """The rank whose state every rank takes: ``prefer`` when it holds one (applied a step), else the
+    lowest rank that applied the newest step."""
+    if prefer is not None and 0 <= prefer < len(applied) and applied[prefer] >= 0:
+        return prefer
+    return applied.index(max(applied))
+
+
+def sync_state_dict(step: int, state: dict[str, Any], *, wait: Callable[[Any], None] | None = None,
+                    prefer: int | None = None) -> int:
     """:func:`sync_state` for a whole state as a :class:`~ftrt.checkpoint.Checkpointer` takes it
     (modules, optimizers, objects with ``state_dict``, tensors, and plain values such as a trainer's
     counters): agree on the newest ``step`` and give every rank that state from the lowest rank that
@@ -175,7 +184,12 @@ def sync_state_dict(step: int, state: dict[str, Any], *, wait: Callable[[Any], N
     receivers load as a restore would (:func:`ftrt.checkpoint.state.apply`). The state must not be
     sharded (DTensors: each rank holds a part only). ``wait`` as in :func:`sync_state`. Collective;
     every rank calls it with a state of the same structure. Raises :class:`~ftrt.errors.FtrtError`
-    on every rank when a receiver could not take the sender's state (a model of another shape)."""
+    on every rank when a receiver could not take the sender's state (a model of another shape).
+
+    ``prefer``: the rank that sends whenever it holds a state (``step >= 0``), also when another
+    rank applied a newer step, which is then rolled back to it and trained again. A trainer whose
+    rank 0 alone writes the record of each step prefers rank 0, so no step is recorded that the
+    agreed state does not hold. Returns the sender's step (-1: no rank holds a state)."""
     import json
 
     import torch
@@ -188,10 +202,10 @@ def sync_state_dict(step: int, state: dict[str, Any], *, wait: Callable[[Any], N
 
     done = _waiter(wait)
     applied = _applied_steps(step, done)
-    newest = max(applied)
-    if min(applied) == newest:
-        return newest  # every rank holds it already: nothing to send
-    src, me = applied.index(newest), dist.get_rank()
+    src, me = _source(applied, prefer), dist.get_rank()
+    agreed = applied[src]
+    if all(a == agreed for a in applied):
+        return agreed  # every rank holds it already: nothing to send
     length = torch.zeros(1, dtype=torch.int64)
     if me == src:
         flat, skeleton = memtier.flatten(st.to_dcp(state))
@@ -199,7 +213,7 @@ def sync_state_dict(step: int, state: dict[str, Any], *, wait: Callable[[Any], N
             length.fill_(-1)  # every rank learns it and raises
         else:
             entries, size = memtier.layout(flat)
-            index = {"step": newest, "round": 0, "rank": 0, "world": 1, "slot": 0, "size": size,
+            index = {"step": agreed, "round": 0, "rank": 0, "world": 1, "slot": 0, "size": size,
                      "entries": entries, "skeleton": skeleton}
             raw = torch.frombuffer(bytearray(json.dumps(index, separators=(",", ":")).encode()), dtype=torch.uint8)
             length.fill_(raw.numel())
@@ -231,6 +245,36 @@ def sync_state_dict(step: int, state: dict[str, Any], *, wait: Callable[[Any], N
     failed = torch.tensor([1 if error else 0], dtype=torch.int32)
     done(dist.all_reduce(failed, op=dist.ReduceOp.MAX, async_op=True))
     if failed.item():
-        raise FtrtError(f"The ranks could not agree on the state of step {newest}: "
+        raise FtrtError(f"The ranks could not agree on the state of step {agreed}: "
                         f"{error or 'another rank could not take it'}.")
-    return newest
+    return agreed
+
+
+NAME_BYTES = 128
+"""The longest name :func:`gather_names` carries (node ids are at most 128 characters)."""
+
+
+def gather_names(name: str, *, wait: Callable[[Any], None] | None = None) -> list[str]:
+    """Every rank's ``name`` (e.g. its node id), in rank order, over the default process group: one
+    all-gather of fixed-size byte buffers, nothing unpickled. Each name received is checked as a
+    node id (:func:`ftrt.jobkeys.check_id`: letters, digits, ``. _ -``, at most 128 characters) and
+    raises :class:`~ftrt.errors.ConfigError` otherwise. ``wait`` as in :func:`sync_state`."""
+    import torch
+    import torch.distributed as dist
+
+    from ftrt.jobkeys import check_id
+
+    raw = check_id("node id", name).encode()
+    mine = torch.zeros(NAME_BYTES, dtype=torch.uint8)
+    mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    _waiter(wait)(dist.all_gather(out, mine, async_op=True))
+    names = []
+    for t in out:
+        data = bytes(t.numpy()).rstrip(b"\0")
+        try:
+            text = data.decode("ascii")
+        except UnicodeDecodeError:
+            text = repr(data[:40])
+        names.append(check_id("node id a peer sent", text))
+    return names

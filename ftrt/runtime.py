@@ -382,6 +382,8 @@ class Runtime:
         if self.launched_by_ftrt and os.environ.get(envnames.MEM_DIR):
             kwargs.setdefault("mem_dir", os.environ[envnames.MEM_DIR])
         kwargs.setdefault("report", self.report)
+        if self.in_place:
+            kwargs.setdefault("wait", self.wait)  # its vote leaves a frozen peer's collective
         if "key" not in kwargs:
             from ftrt.checkpoint.signing import load_key
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import ftrt
 from ftrt.errors import ConfigError
 from ftrt.grpo.config import GRPOConfig
-from ftrt.policy.sample import Batch, rollout, score
+from ftrt.policy.sample import Batch, complete, make_prompts, score, uniforms
 from ftrt.policy.tasks import Task, TokenizerVocab, Vocab
 
 
@@ -33,6 +33,8 @@ class Sampled:
     batch: Batch
     info: dict[str, Any]
     """Metrics-line fields (fleet: weight_version, rollout_servers, redispatched, push_s, rollout_s)."""
+    reused_s: float = 0.0
+    """Seconds the completions reused from this step's earlier attempt took to sample."""
 
 
 def output_size(model: torch.nn.Module, fallback: int) -> int:
@@ -45,11 +47,22 @@ def output_size(model: torch.nn.Module, fallback: int) -> int:
 
 
 class LocalSampling:
-    """Each rank samples its own prompts with the current weights."""
+    """Each rank samples its own prompts with the current weights.
+
+    It keeps the completions of the last step it sampled: a step trained again in place (a peer was
+    lost in the step's collectives, after this rank had sampled its share, and no rank applied
+    the step) has the same weights and seeds, so this rank samples only the prompts it did not
+    have (the lost rank's share, split anew) and reuses the rest. The time the reused samples took
+    is reported (:attr:`Sampled.reused_s`): it is the step's work, done before the fault."""
 
     def __init__(self, cfg: GRPOConfig, task: Task, vocab: Vocab | TokenizerVocab, model: torch.nn.Module,
                  max_new: int) -> None:
         self.cfg, self.task, self.vocab, self.model, self.max_new = cfg, task, vocab, model, max_new
+        self._made: tuple[int, dict[int, tuple[torch.Tensor, float]]] = (-1, {})
+        """(step, {prompt id: (its group's completions, the seconds sampling it took)})."""
+
+    def regroup(self, rank: int, distributed: bool, wait: Callable[[Any], None]) -> bool:
+        return False  # nothing held across steps
 
     def state(self) -> dict[str, Any]:
         return {}
@@ -58,9 +71,25 @@ class LocalSampling:
         pass
 
     def sample(self, step: int, prompt_ids: list[int], frontier: int) -> Sampled:
-        cfg = self.cfg
-        return Sampled(rollout(self.model, self.task, self.vocab, seed=cfg.seed, step=step, prompt_ids=prompt_ids,
-                               group=cfg.group_size, max_new=self.max_new, temperature=cfg.temperature), {})
+        cfg, g = self.cfg, self.cfg.group_size
+        have = self._made[1] if self._made[0] == step else {}
+        need = [pid for pid in prompt_ids if pid not in have]
+        made = dict(have)
+        if need:
+            t0 = time.perf_counter()
+            prompts, _ = make_prompts(self.task, self.vocab, cfg.seed, need)
+            u = uniforms(cfg.seed, step, need, g, self.max_new)
+            out = complete(self.model, self.vocab, prompts, u, group=g, max_new=self.max_new,
+                           temperature=cfg.temperature)
+            each = (time.perf_counter() - t0) / len(need)
+            made.update({pid: (out[i * g:(i + 1) * g], each) for i, pid in enumerate(need)})
+        self._made = (step, made)
+        reused = [pid for pid in prompt_ids if pid in have]
+        out = torch.cat([made[pid][0] for pid in prompt_ids]) if prompt_ids else torch.zeros(0, self.max_new,
+                                                                                            dtype=torch.long)
+        batch = score(self.task, self.vocab, cfg.seed, step, prompt_ids, g, out)
+        return Sampled(batch, {"reused_prompts": len(reused)} if reused else {},
+                       reused_s=sum(have[pid][1] for pid in reused))
 
     def before_save(self, done: int, state: dict[str, Any], frontier: int) -> None:
         pass
@@ -70,20 +99,44 @@ class LocalSampling:
 
 
 class FleetSampling:
-    """Rank 0 drives the rollout fleet; every rank gets its share by broadcast (module docstring)."""
+    """Rank 0 drives the rollout fleet; every rank gets its share by broadcast (module docstring).
+
+    Rank 0 of each round drives: :meth:`regroup` connects a new rank 0 to the fleet. A driver that
+    stays rank 0 across a round change in place keeps its fleet, its published weights and the
+    steps it submitted ahead, and serves a step trained again (its collectives failed after the
+    completions came) from the completions it collected for it."""
 
     def __init__(self, cfg: GRPOConfig, task: Task, vocab: Vocab | TokenizerVocab, model: torch.nn.Module,
-                 max_new: int, *, rank: int, distributed: bool, job_id: str) -> None:
+                 max_new: int, *, job_id: str) -> None:
         self.cfg, self.task, self.vocab, self.model, self.max_new = cfg, task, vocab, model, max_new
-        self.rank, self.distributed = rank, distributed
+        self.job_id = job_id
+        self.rank, self.distributed = 0, False
+        self._wait: Callable[[Any], None] = lambda work: work.wait()
         self.k = cfg.rollout.max_off_policy_steps
         self.per_step = cfg.prompts_per_step
         self.fleet = None
         self._published = -1
-        error = ""
-        if rank == 0:
-            error = self._connect(job_id)
-        self._agree(error)
+        self._extra = 0.0
+        self._next: int | None = None
+        """The step the driver's fleet samples next (None: not started)."""
+        self._last: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        """The last step the driver collected: (step, header, block), for a step trained again."""
+
+    def regroup(self, rank: int, distributed: bool, wait: Callable[[Any], None]) -> bool:
+        """Take this round's place (collective): a rank 0 without a fleet connects to it. Returns,
+        on every rank, whether completions sampled ahead were lost with the driver (a new rank 0
+        and ``max_off_policy_steps > 0``): the steps ahead were sampled with weights that only the
+        lost driver knew, so the job must go on from a checkpoint, whose state holds them."""
+        self.rank, self.distributed, self._wait = rank, distributed, wait
+        error, fresh = "", False
+        if rank == 0 and self.fleet is None:
+            fresh = True
+            error = self._connect(self.job_id)
+        elif rank != 0 and self.fleet is not None:  # ranks keep their order: a driver stays rank 0 or goes
+            self.close()
+            self.fleet, self._next, self._last = None, None, None
+        self._agree(error, extra=1.0 if fresh and self.k else 0.0)
+        return self._extra > 0
 
     def _connect(self, job_id: str) -> str:
         from ftrt.rollout.fleet import Fleet
@@ -113,13 +166,15 @@ class FleetSampling:
               f"{endpoints} --job-id {job}` servers (off-policy steps {self.k})", flush=True)
         return ""
 
-    def _agree(self, error: str) -> None:
-        """Raise on every rank if rank 0 failed (the others would wait in the next collective)."""
-        flag = torch.tensor([1.0 if error else 0.0], dtype=torch.float64)
+    def _agree(self, error: str, extra: float = 0.0) -> None:
+        """Raise on every rank if rank 0 failed (the others would wait in the next collective); rank
+        0's ``extra`` reaches every rank as :attr:`_extra`."""
+        flag = torch.tensor([1.0 if error else 0.0, extra], dtype=torch.float64)
         if self.distributed:
-            dist.broadcast(flag, 0)
-        if flag.item():
+            self._wait(dist.broadcast(flag, 0, async_op=True))
+        if flag[0].item():
             raise ConfigError(error or "Rank 0 could not reach the rollout fleet; see its error.")
+        self._extra = flag[1].item()
 
     def version_of(self, step: int) -> int:
         return max(0, step - self.k)
@@ -140,9 +195,15 @@ class FleetSampling:
         """Publish the weights of ``step`` and submit what the first steps need (rank 0; every rank
         learns whether that worked)."""
         error = ""
-        if self.fleet is not None:
+        if self.fleet is not None and step != self._next and (self._last is None or self._last[0] != step):
             try:
-                self._start(step, state, frontier)
+                if self._next is not None:  # the job went back to a checkpoint: the fleet's ledger is ahead
+                    self.fleet.close()
+                    self.fleet, self._published, self._last = None, -1, None
+                    error = self._connect(self.job_id)
+                if not error:
+                    self._start(step, state, frontier)
+                    self._next = step
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others hang
                 error = str(exc)
         self._agree(error)
@@ -173,7 +234,9 @@ class FleetSampling:
         header = torch.zeros(5, dtype=torch.float64)
         block = torch.zeros(self.per_step, g, n, dtype=torch.long)
         error = ""
-        if self.fleet is not None:
+        if self.fleet is not None and self._last is not None and self._last[0] == step:
+            _, header, block = self._last  # trained again: its completions came already
+        elif self.fleet is not None:
             try:
                 t0 = time.perf_counter()
                 self._publish(step)
@@ -189,11 +252,12 @@ class FleetSampling:
                 for i, pid in enumerate(self.prompts(frontier, step, step)):
                     block[i] = results[pid]
                 header = torch.tensor([1.0, redone, self.fleet.live, push_s, rollout_s], dtype=torch.float64)
+                self._last, self._next = (step, header, block), step + 1
             except Exception as exc:  # noqa: BLE001 - rank 0's error reaches every rank
                 error = str(exc)
         if self.distributed:
-            dist.broadcast(header, 0)
-            dist.broadcast(block, 0)
+            self._wait(dist.broadcast(header, 0, async_op=True))
+            self._wait(dist.broadcast(block, 0, async_op=True))
         if header[0].item() != 1.0:
             raise ConfigError(error or "Rank 0 lost the rollout fleet; see its error.")
         lo = prompt_ids[0] - frontier if prompt_ids else 0
@@ -220,7 +284,7 @@ class FleetSampling:
                 error = str(exc)
         self._agree(error)
         if self.distributed:
-            dist.broadcast(ahead, 0)
+            self._wait(dist.broadcast(ahead, 0, async_op=True))
         state["ahead_from"] = done
 
     def close(self) -> None:

@@ -40,6 +40,8 @@ from ftrt.policy.sample import Batch, token_logps
 from ftrt.grpo.sampling import FleetSampling, LocalSampling
 from ftrt.policy.setting import build_setting
 from ftrt.policy.tasks import Task, TokenizerVocab, Vocab
+from ftrt.errors import FtrtError, WorldChanged
+from ftrt.inplace import gather_names, sync_state_dict
 from ftrt.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -81,6 +83,19 @@ class Metrics:
         os.replace(tmp, self.path)
         return dropped
 
+    def settle(self, step: int, last: dict[str, Any] | None) -> int:
+        """Make the file end with step ``step - 1`` after the ranks agreed on ``step`` in place:
+        drop the lines of steps >= ``step`` (a lost rank 0 recorded a step the others had not
+        applied; it is trained again) and append ``last``, the record of step ``step - 1``, when the
+        rank 0 that trained it was lost before it wrote it. Returns how many lines were dropped."""
+        dropped = self.rewind(step)
+        if self.path is None or not last or last.get("step") != step - 1:
+            return dropped
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        if not lines or json.loads(lines[-1]).get("step") != step - 1:
+            self.append(last)
+        return dropped
+
     def append(self, record: dict) -> None:
         if self.path is None:
             return
@@ -110,21 +125,13 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def _all_reduce(t: torch.Tensor, distributed: bool) -> torch.Tensor:
-    if distributed:
-        dist.all_reduce(t)
-    return t
-
-
 @dataclass
 class _Run:
-    """What one run of the trainer is built from (:func:`_setup`); ``state`` is what a checkpoint holds."""
+    """What one run of the trainer is built from, whatever its round (:func:`_setup`); ``state`` is
+    what a checkpoint holds."""
 
     cfg: GRPOConfig
     rt: Runtime
-    distributed: bool
-    rank: int
-    world: int
     task: Task
     vocab: Vocab | TokenizerVocab
     model: torch.nn.Module
@@ -135,17 +142,36 @@ class _Run:
     state: dict[str, Any]
     max_new: int
     prompt_len: int
-    ck: Checkpointer | None
-    cadence: Cadences
-    metrics: Metrics
     sampling: LocalSampling | FleetSampling
     """Where completions come from (``rollout.mode``)."""
+    holds: bool = False
+    """Whether ``state`` is one the job had after a whole step (restored, received or trained); False
+    for a newcomer and while a step with several optimizer steps (``ppo_epochs``) is half applied."""
+    last_line: dict[str, Any] | None = None
+    """The metrics record of the last step this rank trained (every rank keeps it; rank 0 writes it)."""
 
     @property
     def trainer(self) -> dict[str, int]:
         """The trainer's counters in ``state``: step, frontier, redone, resumes, tokens (a restore may
         replace this dict, so read it afresh rather than keep it across one)."""
         return self.state["trainer"]
+
+
+@dataclass
+class _Round:
+    """What belongs to one round: this rank's place and what was built on the round's process group.
+    A worker that changes rounds in place builds a new one (:func:`_enter_round`)."""
+
+    rank: int
+    world: int
+    distributed: bool
+    nodes: list[str]
+    """The node of each rank."""
+    ck: Checkpointer | None
+    cadence: Cadences
+    metrics: Metrics
+    saves: Saves
+    bar: Progress
 
 
 @dataclass
@@ -161,9 +187,13 @@ class _Step:
     parts: list[tuple[str, list[int]]]
     """Which node trained which prompts, in rank order."""
     round_ends: bool
-    """A node is joining: the round ends after this step (never after the last one)."""
+    """The round ends after this step (a node joins or drains, and the workers restart at a round
+    change; or the next round is inactive); never after the last step."""
     round_end_durable: bool
     """The round ends after this step with a storage save (the next round is inactive)."""
+    leaves: bool
+    """This rank's node is leaving the job and the others go on in place: this rank ends after the
+    step."""
     sampling: dict[str, Any]
     """The sampling's metrics-line fields (fleet: weight version, servers, timings)."""
 
@@ -178,64 +208,67 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     rewards: list[float] = []
     try:
-        _resume(run)
-        ended_for_round = _loop(run, rewards)
+        rnd = _take_round(run, None)
+        ended_for_round, rnd = _loop(run, rnd, rewards)
     finally:
         run.sampling.close()
     if not ended_for_round:
         run.rt.done()  # what follows (the summary, destroying the process group) is teardown, not a hang
-    return _finish(run, rewards, time.perf_counter() - t_start, ended_for_round)
+    return _finish(run, rnd, rewards, time.perf_counter() - t_start, ended_for_round)
 
 
-def _loop(run: _Run, rewards: list[float]) -> bool:
-    """Train from the restored step to the end, or to the end of this round (return True then)."""
-    cfg, tr = run.cfg, run.trainer
-    bar = Progress(cfg.progress if run.rank == 0 else "none", cfg.steps)
-    saves = Saves(run.ck, run.cadence, run.state)
+def _loop(run: _Run, rnd: _Round, rewards: list[float]) -> tuple[bool, _Round]:
+    """Train from the agreed step to the end, or to the end of this round (return True then); in
+    place, go on in each next round. Returns the round the run ended in."""
+    cfg = run.cfg
     step_s = 0.0
-    first_step = tr["step"]
-    ended_for_round = False
-    if tr["step"] < cfg.steps:
-        run.sampling.start(tr["step"], run.state.get("rollout", {}), tr["frontier"])
-    for step in range(tr["step"], cfg.steps):
-        done = _train_step(run, step, saves, step_s)
-        step_s = done.step_s
-        rewards.append(done.reward_mean)
-        decision = run.cadence.decide(step + 1, cfg.steps, round_ends=done.round_ends,
-                                      durable=done.round_end_durable)
-        _record(run, step, done, decision, bar, first=step == first_step)
-        run.rt.heartbeat(step + 1)
-        if decision.keep:
-            run.sampling.before_save(step + 1, run.state.get("rollout", {}), run.trainer["frontier"])
-        saves.start(step + 1, decision)
+    first = True
+    while (step := run.trainer["step"]) < cfg.steps:
+        try:
+            with run.rt.step():
+                done = _train_step(run, rnd, step, step_s)
+                step_s = done.step_s
+                rewards.append(done.reward_mean)
+                decision = rnd.cadence.decide(step + 1, cfg.steps, round_ends=done.round_ends,
+                                              durable=done.round_end_durable)
+                _record(run, rnd, step, done, decision, first=first)
+                first = False
+                run.rt.heartbeat(step + 1)
+                if decision.keep:
+                    run.sampling.before_save(step + 1, run.state.get("rollout", {}), run.trainer["frontier"])
+                rnd.saves.start(step + 1, decision)
+        except WorldChanged as exc:
+            rnd = _change_round(run, rnd, exc)
+            continue
         if done.round_ends:
-            saves.wait()  # the new round resumes from this save
+            rnd.saves.wait()  # the new round resumes from this save
             _diag.mark("round_end.saved", step=step + 1)
-            ended_for_round = True
-            break
-    bar.close()
-    saves.close()  # waits for the last save: the final state is committed before we report
-    return ended_for_round
+            return True, rnd
+        if done.leaves:
+            print(f"[ftrt.grpo] rank {rnd.rank}: this node leaves the job after step {step}; the other ranks go on "
+                  "in place", flush=True)
+            run.rt.exit_for_round()
+    rnd.bar.close()
+    rnd.saves.close()  # waits for the last save: the final state is committed before we report
+    return False, rnd
 
 
 def _setup(cfg: GRPOConfig) -> _Run:
-    """Join the process group and build the task, the policy, its optimizer, the checkpointer,
-    the checkpoint cadences and the metrics file (the same initial weights on every rank)."""
+    """Build the task, the policy, its optimizer and the sampling (the same initial weights on
+    every rank), then join the process group.
+
+    Under ``ftrt launch`` the group is ftrt's (:meth:`ftrt.Runtime.init_process_group`, also at
+    world size 1): with ``--recovery in-place`` this worker is then kept when the job's membership
+    changes, and a worker of a joining node warms up to here before its node is admitted."""
     rt = ftrt.init()
     torch.set_num_threads(cfg.threads)
-    distributed = rt.world_size > 1
-    if distributed and not dist.is_initialized():
-        dist.init_process_group("gloo")
-    _diag.mark("process_group")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     built = build_setting(cfg.model, cfg.task, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens)
     task, vocab, model, max_new, prompt_len = built.task, built.vocab, built.model, built.max_new, built.prompt_len
     ref = copy.deepcopy(model).requires_grad_(False) if cfg.kl_beta > 0 else None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.rollout.mode == "fleet":
-        sampling: LocalSampling | FleetSampling = FleetSampling(cfg, task, vocab, model, max_new, rank=rank,
-                                                                distributed=distributed, job_id=rt.job_id)
+        sampling: LocalSampling | FleetSampling = FleetSampling(cfg, task, vocab, model, max_new, job_id=rt.job_id)
     else:
         sampling = LocalSampling(cfg, task, vocab, model, max_new)
     state: dict[str, Any] = {
@@ -246,33 +279,117 @@ def _setup(cfg: GRPOConfig) -> _Run:
     if ahead:  # the fleet's samples ahead (max_off_policy_steps > 0)
         state["rollout"] = ahead
     _diag.mark("model")
+    if rt.launched_by_ftrt and (rt.recovery == "in-place" or rt.world_size > 1):
+        rt.init_process_group("gloo")  # a worker started before its node's admission waits here, warm
+    elif rt.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    _diag.mark("process_group")
+    return _Run(cfg=cfg, rt=rt, task=task, vocab=vocab, model=model, ref=ref, params=params, opt=opt, state=state,
+                max_new=max_new, prompt_len=prompt_len, sampling=sampling)
+
+
+def _take_round(run: _Run, old: _Round | None) -> _Round:
+    """Enter this worker's round (``old``: leave that one first, in place), again for each next
+    round while a peer is lost during the agreement."""
+    leave, ck = old is not None, old.ck if old is not None else None
+    while True:
+        try:
+            if leave:
+                if ck is not None:
+                    ck.retire()  # its save in flight is given up: the old round's groups are gone
+                run.rt.reconfigure()  # a node that is leaving ends here
+            with run.rt.step():  # a peer lost meanwhile: the next round
+                return _enter_round(run)
+        except WorldChanged as exc:
+            print(f"[ftrt.grpo] rank {run.rt.rank}: {exc} (while the ranks agreed on the state)", flush=True)
+            leave, ck = True, None  # _enter_round retired the checkpointer it built
+
+
+def _change_round(run: _Run, rnd: _Round, why: WorldChanged) -> _Round:
+    """Go on in the next round in place: the step in flight is trained again at the new world size."""
+    print(f"[ftrt.grpo] rank {rnd.rank}: {why}", flush=True)
+    t0 = time.perf_counter()
+    new = _take_round(run, rnd)
+    if new.rank == 0:
+        print(f"[ftrt.grpo] round {run.rt.round}: kept in place at step {run.trainer['step']} (world size "
+              f"{new.world}) after {time.perf_counter() - t0:.2f} s", flush=True)
+    return new
+
+
+def _enter_round(run: _Run) -> _Round:
+    """Build what belongs to this worker's round and agree on the state.
+
+    Every rank runs this alike (its collectives and ``new_group`` calls in the same order), the ranks
+    kept in place as the newcomers: this round's checkpointer (the old one's groups and round fence
+    are gone), fresh cadences (every rank decides alike), rank 0's metrics file; then the state.
+    Rank 0, when it holds a whole step's state, gives it to every rank (a rank one step ahead is
+    rolled back: rank 0 wrote no record of that step, which is trained again), else the newest
+    holder does; when no rank holds one (a job's start, or every rank half through a step) the
+    state is restored from the newest checkpoint, as a restarted job would."""
+    cfg, rt = run.cfg, run.rt
+    distributed = dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    nodes = gather_names(rt.node_id, wait=rt.wait) if distributed else [rt.node_id]
     ck = rt.checkpointer(cfg.checkpoint.url, keep=cfg.checkpoint.keep,
                          storage_options=cfg.checkpoint.storage_options) if cfg.checkpoint.url else None
     _diag.mark("checkpointer")
-    cadence = Cadences(rt, cfg, ck, announce=rank == 0)
-    metrics = Metrics(cfg.metrics_path if rank == 0 else None)
+    try:
+        lost_ahead = run.sampling.regroup(rank, distributed, rt.wait)
+        synced = -1
+        if distributed:
+            view = {**run.state, "line": run.last_line or {}}
+            applied = run.trainer["step"] if run.holds and not lost_ahead else -1
+            synced = sync_state_dict(applied, view, wait=rt.wait, prefer=0)
+            if synced >= 0:
+                for key, value in view.items():
+                    if key in run.state and not isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+                        run.state[key] = value  # plain values arrive as new objects
+                run.last_line = view["line"] or None
+        cadence = Cadences(rt, cfg, ck, announce=rank == 0)
+        metrics = Metrics(cfg.metrics_path if rank == 0 else None)
+        if synced < 0:
+            _restore(run, ck, cadence, metrics, rank, world)
+        else:
+            cadence.resumed(synced, None)
+            if rank == 0:
+                run.trainer["redone"] += metrics.settle(synced, run.last_line)
+        run.holds = True
+        tr = run.trainer
+        if tr["step"] < cfg.steps:
+            run.sampling.start(tr["step"], run.state.get("rollout", {}), tr["frontier"])
+    except BaseException:
+        if ck is not None:
+            ck.retire()
+        raise
     _diag.mark("built")
-    return _Run(cfg=cfg, rt=rt, distributed=distributed, rank=rank, world=world, task=task, vocab=vocab,
-                model=model, ref=ref, params=params, opt=opt, state=state, max_new=max_new, prompt_len=prompt_len,
-                ck=ck, cadence=cadence, metrics=metrics, sampling=sampling)
+    bar = Progress(cfg.progress if rank == 0 else "none", cfg.steps)
+    return _Round(rank=rank, world=world, distributed=distributed, nodes=nodes, ck=ck, cadence=cadence,
+                  metrics=metrics, saves=Saves(ck, cadence, run.state), bar=bar)
 
 
-def _resume(run: _Run) -> None:
+def _restore(run: _Run, ck: Checkpointer | None, cadence: Cadences, metrics: Metrics, rank: int, world: int) -> None:
     """Restore the newest checkpoint, if there is one, and drop the metrics lines of the steps it
     does not hold (rank 0: they will be trained again, and counted as redone)."""
-    cfg, ck = run.cfg, run.ck
+    cfg = run.cfg
+    if run.holds and ck is None:
+        raise FtrtError("The ranks lost the state of the step in flight (every rank was half through it, or the "
+                        "rollout fleet's driver went with the samples ahead) and there is no checkpoint to go back "
+                        "to: set checkpoint.url, or launch with --recovery restart.")
     restored = ck.restore(run.state) if ck is not None else None
+    if run.holds and restored is None:
+        raise FtrtError("The ranks lost the state of the step in flight and no checkpoint was saved yet; the "
+                        "workers restart.")
     _diag.mark("restored", tier=ck.last_restore_tier if restored is not None else None)
     tr = run.trainer  # after the restore, which may replace the counters' dict
     if restored is not None:
         tr["resumes"] += 1
-        run.cadence.resumed(tr["step"], ck.last_restore_tier)
-    if run.rank != 0:
+        cadence.resumed(tr["step"], ck.last_restore_tier)
+    if rank != 0:
         return
-    dropped = run.metrics.rewind(tr["step"])
+    dropped = metrics.rewind(tr["step"])
     if restored is not None:
         tr["redone"] += dropped
-        print(f"[ftrt.grpo] resumed at step {tr['step']} of {cfg.steps} (world size {run.world}, from "
+        print(f"[ftrt.grpo] resumed at step {tr['step']} of {cfg.steps} (world size {world}, from "
               f"{ck.last_restore_tier}); {dropped} uncommitted step(s) will be redone", flush=True)
         return
     if dropped:
@@ -280,54 +397,80 @@ def _resume(run: _Run) -> None:
               f"{dropped} line(s) of an earlier run from {cfg.metrics_path}", flush=True)
     print(f"[ftrt.grpo] task {cfg.task.name} {cfg.task.params}, {param_count(run.model):,} parameters, "
           f"{cfg.steps} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} samples, "
-          f"world size {run.world}", flush=True)
+          f"world size {world}", flush=True)
 
 
-def _train_step(run: _Run, step: int, saves: Saves, last_step_s: float) -> _Step:
+def _all_reduce(run: _Run, rnd: _Round, t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over the ranks (in place: a wait that a new round ends, :meth:`ftrt.Runtime.wait`)."""
+    if rnd.distributed:
+        run.rt.wait(dist.all_reduce(t, async_op=True))
+    return t
+
+
+def _train_step(run: _Run, rnd: _Round, step: int, last_step_s: float) -> _Step:
     """Train step ``step`` on this rank's share of its prompts and agree with the other ranks on
     its results; advance the trainer's counters. ``last_step_s``: the previous step's duration
-    (for the checkpoint cadences)."""
-    cfg, tr = run.cfg, run.trainer
+    (for the checkpoint cadences).
+
+    The step's last collective comes before its last optimizer step, and the counters follow that
+    optimizer step at once: a rank whose collectives failed has not applied the step (or, with
+    several ``ppo_epochs``, does not hold a whole step), and one that applied it counts it."""
+    cfg, tr, rt = run.cfg, run.trainer, run.rt
     t0 = time.perf_counter()
     frontier = tr["frontier"]
-    lo, hi = shard(cfg.prompts_per_step, run.world, run.rank)
+    lo, hi = shard(cfg.prompts_per_step, rnd.world, rnd.rank)
     mine = list(range(frontier + lo, frontier + hi))
     sampled = run.sampling.sample(step, mine, frontier)
     batch = sampled.batch
-    counts = _all_reduce(torch.tensor([float(batch.mask.sum()), float(batch.mask.shape[0])],
-                                      dtype=torch.float64), run.distributed)
+    counts = _all_reduce(run, rnd, torch.tensor([float(batch.mask.sum()), float(batch.mask.shape[0])],
+                                                dtype=torch.float64))
     total_tokens, total_seqs = counts.tolist()
-    loss_value, kl_sum = _update(run, batch, total_tokens, total_seqs, saves)
+    loss_value, kl_sum = _update(run, rnd, batch, total_tokens, total_seqs)
     # The cadence's inputs ride on this collective, so every rank decides on the same numbers.
     # A node is joining or draining: end this round after this step, saved in memory (the new
     # round redoes nothing), or to storage too when the next round is inactive (the job waits or
     # stops: the memory copies may leave with the nodes; the commit is allowed at a planned
-    # change's boundary). Without a memory tier the agent stops us at once, as before.
-    ending_here = run.ck is not None and run.ck.has_memory_tier and run.rt.round_ending()
-    durable_here = ending_here and run.rt.round_end_durable()  # no memory copy would outlive the nodes
-    sums = _all_reduce(torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum, float(ending_here),
-                                     float(durable_here), *run.cadence.report(last_step_s)], dtype=torch.float64),
-                       run.distributed)
+    # change's boundary). Without a memory tier the agent stops us at once, as before. In place
+    # only the last case ends the round: at a join or a drain the other ranks go on (the
+    # draining node's ranks leave after the step).
+    asked = rt.round_ending()
+    ending_here = rnd.ck is not None and rnd.ck.has_memory_tier and asked
+    durable_here = ending_here and rt.round_end_durable()
+    leaves = rt.in_place and asked and not rt.round_end_durable()
+    if rt.in_place and not durable_here:
+        ending_here = False
+    sums = _all_reduce(run, rnd, torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum, float(ending_here),
+                                               float(durable_here), *rnd.cadence.report(last_step_s)],
+                                              dtype=torch.float64))
     reward_sum, loss_total, kl_total, ending, durable, *agreed = sums.tolist()
-    round_ends = ending > 0 and step + 1 < cfg.steps  # the last step ends the job anyway
-    run.cadence.update(agreed, run.world)
-    parts = _gather((run.rt.node_id, mine), run.distributed, run.world)  # which node trained which prompts
+    _apply(run, rnd)  # no collective from here to the counters
     tr.update(step=step + 1, frontier=frontier + cfg.prompts_per_step, tokens=tr["tokens"] + int(total_tokens))
+    run.holds = True
+    round_ends = ending > 0 and step + 1 < cfg.steps  # the last step ends the job anyway
+    rnd.cadence.update(agreed, rnd.world)
+    parts = [(rnd.nodes[r], list(range(frontier + a, frontier + b)))
+             for r, (a, b) in ((r, shard(cfg.prompts_per_step, rnd.world, r)) for r in range(rnd.world))]
+    # A step trained again after a fault counts the samples it reused from its first attempt as its
+    # own work (done before the fault; the rest of that attempt is lost).
+    info = {**sampled.info, "reused_s": round(sampled.reused_s, 4)} if sampled.reused_s else sampled.info
     return _Step(reward_mean=reward_sum / max(total_seqs, 1.0), loss=loss_total, kl=kl_total,
-                 tokens=total_tokens, step_s=time.perf_counter() - t0, parts=parts, round_ends=round_ends,
-                 round_end_durable=round_ends and durable > 0,
-                 sampling=sampled.info)
+                 tokens=total_tokens, step_s=time.perf_counter() - t0 + sampled.reused_s, parts=parts,
+                 round_ends=round_ends, round_end_durable=round_ends and durable > 0,
+                 leaves=leaves and not round_ends, sampling=info)
 
 
-def _update(run: _Run, batch: Batch, total_tokens: float, total_seqs: float, saves: Saves) -> tuple[float, float]:
-    """The clipped policy update on one rollout (``ppo_epochs`` optimizer steps, gradients summed
-    over the ranks); return this rank's last loss and its summed KL."""
-    cfg, params, opt = run.cfg, run.params, run.opt
+def _update(run: _Run, rnd: _Round, batch: Batch, total_tokens: float, total_seqs: float) -> tuple[float, float]:
+    """The clipped policy update on one rollout: ``ppo_epochs`` gradients, summed over the ranks,
+    each applied before the next is computed; the last one is left for :func:`_apply`. Returns this
+    rank's last loss and its summed KL."""
+    cfg, params = run.cfg, run.params
     adv = group_advantages(batch.rewards, cfg.adv_std_norm).reshape(-1)
     old = ref_logp = None
     loss_value = kl_sum = 0.0
-    for _ in range(cfg.ppo_epochs):
-        opt.zero_grad(set_to_none=False)
+    for epoch in range(cfg.ppo_epochs):
+        if epoch:
+            _apply(run, rnd)
+        run.opt.zero_grad(set_to_none=False)
         if batch.mask.shape[0]:
             logp = token_logps(run.model, batch.sequences, run.prompt_len, cfg.temperature)
             old = logp.detach() if old is None else old
@@ -346,67 +489,66 @@ def _update(run: _Run, batch: Batch, total_tokens: float, total_seqs: float, sav
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if run.distributed:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat)
+        if rnd.distributed:
+            flat = _all_reduce(run, rnd, torch.cat([p.grad.reshape(-1) for p in params]))
             off = 0
             for p in params:
                 p.grad.copy_(flat[off:off + p.numel()].view_as(p))
                 off += p.numel()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        saves.before_update()  # the last checkpoint must have copied the weights first
-        opt.step()
     return loss_value, kl_sum
 
 
-def _record(run: _Run, step: int, done: _Step, decision: SaveDecision, bar: Progress, *, first: bool) -> None:
-    """Publish a trained step: rank 0's metrics line and Prometheus gauges, the progress bar."""
+def _apply(run: _Run, rnd: _Round) -> None:
+    """One optimizer step on the summed gradients (clipped), once the save in flight copied the weights."""
+    if run.cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.params, run.cfg.grad_clip)
+    rnd.saves.before_update()  # the last checkpoint must have copied the weights first
+    run.holds = False  # until the step's counters follow (several ppo_epochs: the step is half applied)
+    run.opt.step()
+
+
+def _record(run: _Run, rnd: _Round, step: int, done: _Step, decision: SaveDecision, *, first: bool) -> None:
+    """Publish a trained step: rank 0's metrics line and Prometheus gauges, the progress bar. Every
+    rank keeps the line (a new rank 0 writes it if the one that trained the step was lost first)."""
     tr = run.trainer
     record = {
         "step": step, "reward_mean": done.reward_mean, "loss": done.loss,
-        "kl": done.kl / max(done.tokens, 1.0), "world_size": run.world, "prompt_ids": done.prompt_ids,
+        "kl": done.kl / max(done.tokens, 1.0), "world_size": rnd.world, "prompt_ids": done.prompt_ids,
         "tokens_per_s": done.tokens / done.step_s, "time": time.time(), "step_s": done.step_s,
         "redone": tr["redone"], "resumes": tr["resumes"], "nodes": sorted({n for n, _ in done.parts}),
+        "round": run.rt.round, "pid": os.getpid(),
         "ckpt": decision.tier,  # the save due after this step
         **done.sampling,
     }
     if "rollout_s" in done.sampling:  # the wait for completions (with the push) against the rest
         record["train_s"] = max(0.0, done.step_s - done.sampling["rollout_s"])
-    run.metrics.append(record)
+    run.last_line = record
+    rnd.metrics.append(record)
     if first:
         _diag.mark("first_step", step=step, step_s=done.step_s)
-    bar.update(step + 1, done.reward_mean, done.tokens / done.step_s, run.world)
-    if run.rank == 0:  # Prometheus, through the node's agent (ftrt launch --metrics-port)
+    rnd.bar.update(step + 1, done.reward_mean, done.tokens / done.step_s, rnd.world)
+    if rnd.rank == 0:  # Prometheus, through the node's agent (ftrt launch --metrics-port)
         run.rt.report_metrics(reward_mean=done.reward_mean, kl=record["kl"], loss=done.loss,
                               tokens_per_second=done.tokens / done.step_s)
 
 
-def _finish(run: _Run, rewards: list[float], wall: float, ended_for_round: bool) -> dict[str, Any]:
+def _finish(run: _Run, rnd: _Round, rewards: list[float], wall: float, ended_for_round: bool) -> dict[str, Any]:
     """Say how the run ended, leave the round or the process group, and return the summary."""
     tr = run.trainer
     last = rewards[-10:]
     summary = {
         "steps": tr["step"], "final_reward": sum(last) / len(last) if last else None,
-        "world_size": run.world, "tokens": tr["tokens"], "wall_s": wall, "redone": tr["redone"],
+        "world_size": rnd.world, "tokens": tr["tokens"], "wall_s": wall, "redone": tr["redone"],
         "resumes": tr["resumes"], "ended_for_round": ended_for_round,
     }
-    if run.rank == 0 and ended_for_round:
+    if rnd.rank == 0 and ended_for_round:
         print(f"[ftrt.grpo] round {run.rt.round} ends after step {tr['step'] - 1}: saved; the next round resumes "
               f"at step {tr['step']}", flush=True)
-    elif run.rank == 0 and rewards:
+    elif rnd.rank == 0 and rewards:
         print(f"[ftrt.grpo] done: {tr['step']} steps, mean reward of the last {len(last)} steps "
               f"{summary['final_reward']:.3f}, {wall:.1f} s this run, {tr['redone']} step(s) redone", flush=True)
     if ended_for_round:
         run.rt.exit_for_round()  # saved: the next round waits for this process to be gone
-    if run.distributed:
+    if rnd.distributed:
         dist.destroy_process_group()
     return summary
-
-
-def _gather(mine: Any, distributed: bool, world: int) -> list[Any]:
-    if not distributed:
-        return [mine]
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, mine)
-    return parts

@@ -55,9 +55,9 @@ def _check_nothing_lost(run: list[dict]) -> None:
     assert run[-1]["redone"] == 0, run[-1]
 
 
-def _drained(tmp: Path, etcd: str, job_id: str, victim: str, leave) -> dict[str, Node]:
+def _drained(tmp: Path, etcd: str, job_id: str, victim: str, leave, recovery: str = "in-place") -> dict[str, Node]:
     """Two nodes train; ``leave(node)`` makes ``victim`` leave at world 2; the other finishes."""
-    nodes = {n: Node(tmp, n, job(tmp, etcd, job_id)).start() for n in ("a", "b")}
+    nodes = {n: Node(tmp, n, job(tmp, etcd, job_id, "1:2", "--recovery", recovery)).start() for n in ("a", "b")}
     try:
         wait_until(lambda: _stepping_at(tmp / "run.jsonl", 2, 8), 120, "8 steps at world size 2")
         leave(nodes[victim])
@@ -70,14 +70,17 @@ def _drained(tmp: Path, etcd: str, job_id: str, victim: str, leave) -> dict[str,
     return nodes
 
 
-@pytest.mark.parametrize("victim", ["b", "a"])  # a holds rank 0 (and the round's store)
+# a holds rank 0 (and the round's store); in place the survivor's worker goes on, restarted it resumes
+@pytest.mark.parametrize("victim,recovery", [("b", "in-place"), ("a", "in-place"), ("a", "restart")])
 def test_sigterm_drains_a_node_which_exits_0_and_the_job_goes_on_with_nothing_redone(tmp_path, etcd_endpoint,
-                                                                                    job_id, victim):
-    nodes = _drained(tmp_path, etcd_endpoint, job_id, victim, lambda n: n.proc.send_signal(signal.SIGTERM))
+                                                                                    job_id, victim, recovery):
+    nodes = _drained(tmp_path, etcd_endpoint, job_id, victim, lambda n: n.proc.send_signal(signal.SIGTERM),
+                     recovery)
     log = nodes[victim].log()
     assert "draining (SIGTERM)" in log and "drained in" in log, log[-3000:]
     survivor = nodes["b" if victim == "a" else "a"].log()
-    assert f"drained {victim}" in survivor and "ended at a step boundary" in survivor, survivor[-3000:]
+    said = "kept in place at step" if recovery == "in-place" else "ended at a step boundary"
+    assert f"drained {victim}" in survivor and said in survivor, survivor[-3000:]
     run = lines(tmp_path / "run.jsonl")
     _check_nothing_lost(run)
     worlds = [x["world_size"] for x in run]

@@ -19,6 +19,7 @@ from ftrt.chaos.scenario import builtin, builtin_dir, load_scenario
 from ftrt.errors import ConfigError
 
 QUICK = ("kill-node", "kill-node-tls", "corrupt-checkpoint")
+QUICK_RUNS = {(name, "in-place") for name in QUICK}
 
 
 def test_every_builtin_scenario_is_valid_and_covers_every_fault_kind():
@@ -61,10 +62,10 @@ def test_chaos_list_names_every_builtin_scenario():
         assert path.stem in res.stdout
 
 
-def run_scenario(name: str, report: Path) -> tuple[subprocess.CompletedProcess, dict]:
+def run_scenario(name: str, report: Path, recovery: str = "in-place") -> tuple[subprocess.CompletedProcess, dict]:
     res = subprocess.run(
         [sys.executable, "-m", "ftrt.cli.main", "chaos", "run", str(builtin_dir() / f"{name}.yaml"),
-         "--report", str(report)], capture_output=True, text=True, timeout=600)
+         "--report", str(report), "--recovery", recovery], capture_output=True, text=True, timeout=600)
     data = json.loads((report / "report.json").read_text()) if (report / "report.json").exists() else {}
     return res, data
 
@@ -89,9 +90,12 @@ def test_quick_scenarios_pass(tmp_path, name):
 
 @pytest.mark.chaos
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", sorted(p.stem for p in builtin_dir().glob("*.yaml") if p.stem not in QUICK))
-def test_builtin_scenario_passes(tmp_path, name):
-    res, data = run_scenario(name, tmp_path / name)
+@pytest.mark.parametrize("name, recovery", [(p.stem, r) for p in sorted(builtin_dir().glob("*.yaml"))
+                                             for r in ("in-place", "restart") if (p.stem, r) not in QUICK_RUNS])
+def test_builtin_scenario_passes(tmp_path, name, recovery):
+    """Every built-in scenario, with the survivors kept in place and with every worker restarted
+    (the quick ones run in place in the default suite already)."""
+    res, data = run_scenario(name, tmp_path / name, recovery)
     check(res, data, name, tmp_path / name)
 
 

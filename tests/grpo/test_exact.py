@@ -1,4 +1,6 @@
-"""GRPO under the launcher: a killed worker resumes bit-identically; a lost node loses no prompt.
+"""GRPO under the launcher: a killed worker resumes bit-identically; a lost node loses no prompt;
+a joining node redoes nothing. Each with ``--recovery in-place`` (the default: the surviving
+workers keep their processes, which rank 0's metrics lines show by their pid) and ``restart``.
 
 Real agents on a real etcd, real worker processes, real SIGKILLs. The reference is the same
 config run without faults (2 ranks); the prompt ledger is read from rank 0's metrics lines.
@@ -32,11 +34,16 @@ def lines(path: Path) -> list[dict]:
         return []
 
 
-def job(tmp: Path, name: str, etcd: str, job_id: str, nnodes: str, nproc: int, first_round_wait: float = 2) -> list[str]:
+RECOVERY = pytest.mark.parametrize("recovery", ["in-place", "restart"])
+
+
+def job(tmp: Path, name: str, etcd: str, job_id: str, nnodes: str, nproc: int, first_round_wait: float = 2,
+        recovery: str = "in-place") -> list[str]:
     """``first_round_wait``: a long one makes the first round wait for ``nnodes``' maximum (it starts
     as soon as that many nodes are ready)."""
     return ["--etcd", etcd, "--job-id", job_id, "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-            "--lease-ttl", "2", "--first-round-wait", str(first_round_wait), *FAST_WARM, "-m", "ftrt.grpo", *CONFIG,
+            "--lease-ttl", "2", "--first-round-wait", str(first_round_wait), "--recovery", recovery, *FAST_WARM,
+            "-m", "ftrt.grpo", *CONFIG,
             f"metrics_path={tmp / name}.jsonl", f"checkpoint.url={tmp / name}-ck"]
 
 
@@ -51,8 +58,19 @@ def reference(tmp_path_factory, etcd_server):
     return lines(tmp / "ref.jsonl")
 
 
-def test_a_killed_worker_resumes_with_bit_identical_metrics_and_prompts(tmp_path, reference, etcd_endpoint, job_id):
-    node = Node(tmp_path, "a", job(tmp_path, "run", etcd_endpoint, job_id, "1", 2)).start()
+def kept_in_place(run: list[dict], log: str, before: set[int] | None = None) -> None:
+    """The ranks went on in place (nothing restored) in processes that ran before the fault
+    (``before``; default: rank 0's process trained every step)."""
+    pids = {x["pid"] for x in run}
+    assert pids <= before if before is not None else len(pids) == 1, (before, sorted({(x["pid"], x["step"]) for x in run}))
+    assert run[-1]["resumes"] == 0 and run[-1]["redone"] == 0, run[-1]
+    assert "kept in place at step" in log and "resumed at step" not in log, log[-3000:]
+
+
+@RECOVERY
+def test_a_killed_worker_resumes_with_bit_identical_metrics_and_prompts(tmp_path, reference, etcd_endpoint, job_id,
+                                                                        recovery):
+    node = Node(tmp_path, "a", job(tmp_path, "run", etcd_endpoint, job_id, "1", 2, recovery=recovery)).start()
     try:
         wait_until(lambda: len(lines(tmp_path / "run.jsonl")) >= 7, 120, "step 7")
         pid = worker_pids(etcd_endpoint, job_id)[1]
@@ -62,18 +80,26 @@ def test_a_killed_worker_resumes_with_bit_identical_metrics_and_prompts(tmp_path
         node.cleanup()
     run = lines(tmp_path / "run.jsonl")
     assert [x["step"] for x in run] == list(range(STEPS))
-    assert run[-1]["resumes"] == 1 and run[-1]["redone"] <= 1, run[-1]
-    assert "resumed at step" in node.log() and "from memory" in node.log()
+    if recovery == "in-place":  # rank 1 was killed: rank 0 kept its process and gave the newcomer the state
+        kept_in_place(run, node.log())
+    else:
+        assert run[-1]["resumes"] == 1 and run[-1]["redone"] <= 1, run[-1]
+        assert "resumed at step" in node.log() and "from memory" in node.log()
+        assert len({x["pid"] for x in run}) == 2
     for mine, ref in zip(run, reference):
         assert {k: mine[k] for k in EXACT} == {k: ref[k] for k in EXACT}, mine["step"]
 
 
-def test_a_lost_node_shrinks_the_world_and_trains_exactly_the_same_prompts(tmp_path, reference, etcd_endpoint, job_id):
-    args = job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, first_round_wait=120)  # both in round 1
+@RECOVERY
+def test_a_lost_node_shrinks_the_world_and_trains_exactly_the_same_prompts(tmp_path, reference, etcd_endpoint, job_id,
+                                                                           recovery):
+    args = job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, first_round_wait=120,  # both in round 1
+               recovery=recovery)
     nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
     try:
         wait_until(lambda: sum(x["world_size"] == 2 for x in lines(tmp_path / "run.jsonl")) >= 6, 120,
                    "6 steps at world size 2")
+        before = set(worker_pids(etcd_endpoint, job_id).values())
         nodes["b"].kill()
         assert nodes["a"].wait(180) == 0, nodes["a"].log()[-3000:]
     finally:
@@ -86,15 +112,19 @@ def test_a_lost_node_shrinks_the_world_and_trains_exactly_the_same_prompts(tmp_p
     assert sorted(ledger) == list(range(STEPS * PROMPTS)) and len(set(ledger)) == len(ledger)
     worlds = [x["world_size"] for x in run]
     assert 2 in worlds and worlds[-1] == 1 and worlds == sorted(worlds, reverse=True), worlds
+    if recovery == "in-place":  # b may have held rank 0: a's worker then went on as rank 0
+        kept_in_place(run, nodes["a"].log(), before)
 
 
-def test_a_joining_node_ends_the_round_at_a_step_boundary_and_nothing_is_redone(tmp_path, etcd_endpoint, job_id):
+@RECOVERY
+def test_a_joining_node_ends_the_round_at_a_step_boundary_and_nothing_is_redone(tmp_path, etcd_endpoint, job_id,
+                                                                                recovery):
     # Long enough for a new node to warm up and join; no checkpoint at all on the cadence, so only
     # the save the round ends with can spare a redo.
     steps = 400
     swap = {f"steps={STEPS}": f"steps={steps}", "checkpoint.interval=5": "checkpoint.interval=1000",
             "checkpoint.memory_interval=1": "checkpoint.memory_interval=1000"}
-    args = [swap.get(a, a) for a in job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1)]
+    args = [swap.get(a, a) for a in job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, recovery=recovery)]
     nodes = {"a": Node(tmp_path, "a", args).start()}
     try:
         wait_until(lambda: len(lines(tmp_path / "run.jsonl")) >= 6, 120, "6 steps at world size 1")
@@ -110,6 +140,10 @@ def test_a_joining_node_ends_the_round_at_a_step_boundary_and_nothing_is_redone(
     assert ledger == list(range(steps * PROMPTS)), "a prompt was lost or repeated"
     worlds = [x["world_size"] for x in run]
     assert worlds[0] == 1 and worlds[-1] == 2 and worlds == sorted(worlds), worlds
-    assert run[-1]["resumes"] == 1 and run[-1]["redone"] == 0, run[-1]
     log = nodes["a"].log()
-    assert "ended at a step boundary" in log and "from memory" in log, log[-3000:]
+    if recovery == "in-place":  # the running rank went on; the newcomer warmed up before its admission
+        kept_in_place(run, log)
+        assert "ended at a step boundary" not in log, log[-3000:]
+    else:
+        assert run[-1]["resumes"] == 1 and run[-1]["redone"] == 0, run[-1]
+        assert "ended at a step boundary" in log and "from memory" in log, log[-3000:]

@@ -158,15 +158,15 @@ def test_pushes_need_the_token_and_a_bad_push_changes_nothing(tmp_path, etcd_end
 K1 = [*CONFIG[:-1], "rollout.max_off_policy_steps=1", "checkpoint.memory_interval=1", "checkpoint.interval=5"]
 
 
-def _launch(tmp, etcd, job_id, name):
+def _launch(tmp, etcd, job_id, name, recovery="in-place"):
     return ["--etcd", etcd, "--job-id", job_id, "--nnodes", "1", "--nproc-per-node", "2", "--lease-ttl", "2",
-            "--first-round-wait", "1", *FAST_WARM, "-m", "ftrt.grpo", *K1, f"metrics_path={tmp / name}.jsonl",
+            "--first-round-wait", "1", "--recovery", recovery, *FAST_WARM, "-m", "ftrt.grpo", *K1, f"metrics_path={tmp / name}.jsonl",
             f"checkpoint.url={tmp / name}-ck", "rollout.mode=fleet", "progress=none"]
 
 
-def _launched_run(tmp, etcd, job_id, name, during=None):
+def _launched_run(tmp, etcd, job_id, name, during=None, recovery="in-place"):
     servers = [Server(tmp, etcd, job_id, f"{name}-s{i}") for i in range(2)]
-    node = Node(tmp, name, _launch(tmp, etcd, job_id, name)).start()
+    node = Node(tmp, name, _launch(tmp, etcd, job_id, name, recovery)).start()
     try:
         if during is not None:
             during(node, tmp / f"{name}.jsonl")
@@ -186,9 +186,12 @@ def reference_k1(tmp_path_factory, etcd_server):
     return rows
 
 
-def test_off_policy_samples_ahead_survive_a_trainer_restart(tmp_path, reference_k1, etcd_endpoint, job_id):
-    """A killed trainer rank: the job resumes from memory with the step sampled ahead restored from
-    the checkpoint (its weights are gone), and trains exactly what the fault-free run trained."""
+@pytest.mark.parametrize("recovery", ["in-place", "restart"])
+def test_off_policy_samples_ahead_survive_a_trainer_restart(tmp_path, reference_k1, etcd_endpoint, job_id, recovery):
+    """A killed trainer rank (not the driver) trains exactly what the fault-free run trained. In
+    place the driver keeps its process, its fleet and the step sampled ahead; restarted, the job
+    resumes from memory with the step sampled ahead restored from the checkpoint (its weights are
+    gone)."""
     import os
 
     from ftrt.chaos.local import worker_pids
@@ -197,9 +200,13 @@ def test_off_policy_samples_ahead_survive_a_trainer_restart(tmp_path, reference_
         wait_steps(metrics, 7)
         os.kill(worker_pids(etcd_endpoint, job_id)[1], signal.SIGKILL)
 
-    rows, node = _launched_run(tmp_path, etcd_endpoint, job_id, "run", during=faults)
+    rows, node = _launched_run(tmp_path, etcd_endpoint, job_id, "run", during=faults, recovery=recovery)
     assert [r["step"] for r in rows] == list(range(STEPS))
-    assert rows[-1]["resumes"] == 1, rows[-1]
+    if recovery == "in-place":
+        assert rows[-1]["resumes"] == 0 and len({r["pid"] for r in rows}) == 1, rows[-1]
+        assert "kept in place at step" in node.log()
+    else:
+        assert rows[-1]["resumes"] == 1, rows[-1]
     assert exact(rows) == exact(reference_k1)
 
 
