@@ -183,7 +183,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
     pool = WorkerPool(
         nproc=cfg.nproc_per_node, fence_path=early.fence.path, warm=cfg.warm_workers,
         warm_imports=cfg.warm_imports, base_env=early.base_env, log_dir=cfg.log_dir,
-        on_exit=inbox.worker_exited, on_memory=lambda rank, step: replicator.notify(rank),
+        on_exit=inbox.worker_exited, on_memory=lambda rank, step: _replicate(replicator, pool, rank),
         on_heartbeat=lambda w: metrics.heartbeat(w.rank, w.round, w.step),
         on_report=_report_handler(metrics, events, alog),
     )
@@ -255,3 +255,10 @@ def _peer_death_handler(rdzv: Rendezvous, store: Store, metrics: Metrics, events
             alog.warning("could not revoke the lease of %s: %s", node_id, exc)
 
     return on_dead
+
+
+def _replicate(replicator: Replicator, pool: WorkerPool, rank: int) -> None:
+    """A worker saved a memory checkpoint of ``rank``: send it to the peers, and drop the ones of
+    ranks this node's workers no longer hold (they changed ranks in place)."""
+    replicator.notify(rank)
+    replicator.prune({w.rank for w in pool.running if w.rank >= 0})

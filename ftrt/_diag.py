@@ -17,6 +17,11 @@ tests' runs, nowhere else. Each switch removes a safety mechanism or a saving, s
 parts, and :func:`trace_gc` adds every slow garbage collection. A rollout server marks each group
 it takes and answers, so a test can tell when a server surely holds work. Off (the default), all
 of them do nothing.
+
+``FTRT_DIAG_CRASH=POINT:STEP:RANK:MARKER`` makes the worker of global rank ``RANK`` exit (code 1,
+no teardown) when it reaches :func:`crash_point` ``POINT`` in step ``STEP``, once: the first to
+crash creates ``MARKER``, and none crashes once it exists. It puts a fault where a test needs it to
+be sure to hit (e.g. between two optimizer steps of one training step), not where a clock says.
 """
 
 from __future__ import annotations
@@ -79,3 +84,21 @@ def trace_gc(threshold_s: float = 0.005) -> None:
                 mark("gc", generation=info["generation"], collected=info["collected"], seconds=round(took, 4))
 
     gc.callbacks.append(on_gc)
+
+
+CRASH_ENV = envnames.DIAG_CRASH
+
+
+def crash_point(point: str, step: int) -> None:
+    """Exit here if ``$FTRT_DIAG_CRASH`` names this point, step and rank and has not fired yet."""
+    raw = os.environ.get(CRASH_ENV)
+    if not raw:
+        return
+    want, at, rank, marker = raw.split(":", 3)
+    if want != point or int(at) != step or os.environ.get("RANK") != rank:
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return  # fired once already (this is the replacement worker)
+    os._exit(1)

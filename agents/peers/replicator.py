@@ -82,6 +82,7 @@ class Replicator:
         rank's goes after every checkpoint, as a lost node's shards exist nowhere else."""
         self._links: dict[str, _PeerLink] = {}
         self._closing: set[asyncio.Task] = set()
+        self._pruned_for: frozenset[int] = frozenset()
 
     @property
     def peers(self) -> list[str]:
@@ -127,6 +128,40 @@ class Replicator:
         """``rank`` has a new memory checkpoint: every peer gets it (latest-wins)."""
         for link in self._links.values():
             link.notify(rank)
+
+    def prune(self, held: set[int]) -> list[int]:
+        """Remove this node's memory checkpoints of the ranks none of its workers holds any more
+        (they took another rank in place, e.g. ranks 2-3 became 1-2 when a node before them left),
+        once every rank held has one of a later round than theirs, which supersedes them: nothing
+        restores from the older round's then. Returns the ranks removed. Cheap when nothing changed
+        (the set of ranks held is remembered once pruned for)."""
+        if not held or frozenset(held) == self._pruned_for:
+            return []
+        own = Path(self.mem_dir) / "own"
+        rounds: dict[int, int | None] = {}
+        for directory in own.glob("rank-*"):
+            try:
+                rank = int(directory.name.split("-")[1])
+            except ValueError:
+                continue
+            try:
+                rounds[rank] = int(json.loads((directory / "current.json").read_text())["round"])
+            except (OSError, ValueError, KeyError, TypeError):
+                rounds[rank] = None
+        if any(rounds.get(r) is None for r in held):
+            return []  # a rank held has no checkpoint yet: an older one may still be the newest
+        oldest_held = min(rounds[r] for r in held)  # type: ignore[type-var]
+        stale = sorted(r for r, rnd in rounds.items() if r not in held and (rnd is None or rnd < oldest_held))
+        for rank in stale:
+            shutil.rmtree(own / f"rank-{rank}", ignore_errors=True)
+            for link in self._links.values():
+                link.forget(rank)
+        if stale:
+            log.info("removed the memory checkpoints of rank(s) %s, which this node's workers no longer hold",
+                     ", ".join(map(str, stale)))
+        if all(r in held or r in stale for r in rounds):
+            self._pruned_for = frozenset(held)  # nothing is left to remove for this set of ranks
+        return stale
 
     def _newest(self) -> dict[int, tuple[int, bool]]:
         """Per own rank: the step of its newest memory checkpoint and whether every tensor is whole."""
@@ -178,6 +213,10 @@ class _PeerLink:
         self.sends: dict[int, int] = {}
         """Copies sent to this peer, per rank."""
         self.last_sent: dict[int, int] = {}
+        """The step last sent, per rank."""
+        self._sent_key: dict[int, tuple[int, int, int]] = {}
+        """(step, round, world) last sent, per rank: a rank's directory may hold a later round's
+        checkpoint of the same step (its worker took another rank in place), which must go too."""
         self._channel = owner.channels.get(peer)
         """The channel to the peer, kept across sends (a new one per send cost milliseconds) and
         owned by :class:`~ftrt.agents.peers.tls.PeerChannels`."""
@@ -192,6 +231,12 @@ class _PeerLink:
     def notify(self, rank: int) -> None:
         self._dirty.add(rank)
         self._wake.set()
+
+    def forget(self, rank: int) -> None:
+        """``rank``'s checkpoints were removed here: nothing of it is due any more."""
+        for held in (self._sent_at, self._whole, self.last_sent, self._sent_key, self.sends):
+            held.pop(rank, None)
+        self._dirty.discard(rank)
 
     def send_now(self, ranks) -> None:
         """Send ``ranks`` next, however recently they were sent."""
@@ -228,7 +273,8 @@ class _PeerLink:
         directory = Path(self.owner.mem_dir) / "own" / f"rank-{rank}"
         index = json.loads((directory / "current.json").read_text())
         self._whole[rank] = all(e["local_shape"] == e["global_shape"] for e in index["entries"])
-        if self.last_sent.get(rank) == index["step"]:
+        key = (int(index["step"]), int(index.get("round", 0)), int(index.get("world", 0)))
+        if self._sent_key.get(rank) == key:
             return
         path = directory / f"slot-{index['slot']}.bin"
         t0 = time.monotonic()
@@ -255,6 +301,7 @@ class _PeerLink:
         self.sent_bytes += ack.bytes
         self.sends[rank] = self.sends.get(rank, 0) + 1
         self.last_sent[rank] = index["step"]
+        self._sent_key[rank] = key
         log.debug("replicated rank %d step %d (%d bytes) to %s in %.2f s", rank, index["step"], ack.bytes,
                   self.peer, time.monotonic() - t0)
 

@@ -147,6 +147,8 @@ class _Run:
     holds: bool = False
     """Whether ``state`` is one the job had after a whole step (restored, received or trained); False
     for a newcomer and while a step with several optimizer steps (``ppo_epochs``) is half applied."""
+    started: bool = False
+    """Whether this process entered a round before: its model may have moved from the initial weights."""
     last_line: dict[str, Any] | None = None
     """The metrics record of the last step this rank trained (every rank keeps it; rank 0 writes it)."""
 
@@ -353,7 +355,7 @@ def _enter_round(run: _Run) -> _Round:
             cadence.resumed(synced, None)
             if rank == 0:
                 run.trainer["redone"] += metrics.settle(synced, run.last_line)
-        run.holds = True
+        run.holds = run.started = True
         tr = run.trainer
         if tr["step"] < cfg.steps:
             run.sampling.start(tr["step"], run.state.get("rollout", {}), tr["frontier"])
@@ -371,14 +373,11 @@ def _restore(run: _Run, ck: Checkpointer | None, cadence: Cadences, metrics: Met
     """Restore the newest checkpoint, if there is one, and drop the metrics lines of the steps it
     does not hold (rank 0: they will be trained again, and counted as redone)."""
     cfg = run.cfg
-    if run.holds and ck is None:
+    restored = ck.restore(run.state) if ck is not None else None
+    if run.started and restored is None:  # this process's weights are not the initial ones any more
         raise FtrtError("The ranks lost the state of the step in flight (every rank was half through it, or the "
                         "rollout fleet's driver went with the samples ahead) and there is no checkpoint to go back "
-                        "to: set checkpoint.url, or launch with --recovery restart.")
-    restored = ck.restore(run.state) if ck is not None else None
-    if run.holds and restored is None:
-        raise FtrtError("The ranks lost the state of the step in flight and no checkpoint was saved yet; the "
-                        "workers restart.")
+                        "to; the workers restart. Set checkpoint.url to go back to a checkpoint in place.")
     _diag.mark("restored", tier=ck.last_restore_tier if restored is not None else None)
     tr = run.trainer  # after the restore, which may replace the counters' dict
     if restored is not None:
@@ -470,6 +469,7 @@ def _update(run: _Run, rnd: _Round, batch: Batch, total_tokens: float, total_seq
     for epoch in range(cfg.ppo_epochs):
         if epoch:
             _apply(run, rnd)
+            _diag.crash_point("half_applied", run.trainer["step"])
         run.opt.zero_grad(set_to_none=False)
         if batch.mask.shape[0]:
             logp = token_logps(run.model, batch.sequences, run.prompt_len, cfg.temperature)

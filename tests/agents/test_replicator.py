@@ -23,7 +23,7 @@ from ftrt.v1 import agent_pb2_grpc
 TOKEN = JobToken("5" * 64)
 
 
-def commit(mem_dir, rank: int, step: int, sharded: bool) -> None:
+def commit(mem_dir, rank: int, step: int, sharded: bool, round_no: int = 1) -> None:
     t = torch.full((4, 4), float(step))
     global_shape, offset = ([8, 4], [4 * rank, 0]) if sharded else ([4, 4], [0, 0])
     entries = [IndexEntry(key="w", dtype=str(t.dtype), offset=0, nbytes=t.numel() * 4, local_shape=[4, 4],
@@ -31,7 +31,7 @@ def commit(mem_dir, rank: int, step: int, sharded: bool) -> None:
     arena = Arena(str(mem_dir), rank)
     slot = (arena.current_slot() or 0) ^ 1
     arena.buffers(slot, entries, 4096)["w"].copy_(t)
-    arena.commit(slot=slot, step=step, round_no=1, world=2, entries=entries, size=4096, skeleton={"dict": []})
+    arena.commit(slot=slot, step=step, round_no=round_no, world=2, entries=entries, size=4096, skeleton={"dict": []})
 
 
 def replica_step(mem_dir, rank: int) -> int | None:
@@ -102,3 +102,19 @@ def test_a_drain_flushes_the_newest_sharded_checkpoint_to_its_peers_and_says_whe
             await server.stop(None)
 
     assert asyncio.run(main()) == 4
+
+
+def test_checkpoints_of_ranks_the_workers_left_in_place_go_once_every_held_rank_saved_in_a_later_round(tmp_path):
+    """Workers that changed ranks in place (2 -> 1 when a node before them left) leave their old
+    rank's memory checkpoints behind; they are removed once every rank held has a newer one."""
+    mem = tmp_path / "mem"
+    commit(mem, 2, step=9, sharded=False, round_no=3)
+    commit(mem, 3, step=9, sharded=False, round_no=3)
+    rep = Replicator("a", str(mem), TOKEN, interval=60)
+    assert rep.prune({1, 2}) == []  # rank 1 has no checkpoint yet: rank 3's may still be the newest
+    commit(mem, 1, step=10, sharded=False, round_no=4)
+    assert rep.prune({1, 2}) == []  # rank 2's is of round 3, as rank 3's: nothing is older than every held one
+    commit(mem, 2, step=10, sharded=False, round_no=4)
+    assert rep.prune({1, 2}) == [3]
+    assert sorted(p.name for p in (mem / "own").iterdir()) == ["rank-1", "rank-2"]
+    assert rep.prune({1, 2}) == []  # remembered

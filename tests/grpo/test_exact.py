@@ -147,3 +147,35 @@ def test_a_joining_node_ends_the_round_at_a_step_boundary_and_nothing_is_redone(
     else:
         assert run[-1]["resumes"] == 1 and run[-1]["redone"] == 0, run[-1]
         assert "ended at a step boundary" in log and "from memory" in log, log[-3000:]
+
+
+def test_a_crash_between_two_optimizer_steps_of_a_step_goes_back_to_the_memory_checkpoint_in_place(
+        tmp_path, etcd_endpoint, job_id):
+    """ppo_epochs=2: rank 1 dies right after the step's first optimizer step (a fault put there), so
+    rank 0, kept in place, has applied half of the step and holds no whole step's state. No rank
+    can give the state: the ranks restore the memory checkpoint in place, and the run is
+    bit-identical to a fault-free one."""
+    two = [*CONFIG, "ppo_epochs=2"]
+
+    def args(name: str) -> list[str]:
+        return [a for a in job(tmp_path, name, etcd_endpoint, f"{job_id}-{name}", "1", 2) if a not in CONFIG] + two
+
+    ref = Node(tmp_path, "ref", args("ref")).start()
+    try:
+        assert ref.wait(180) == 0, ref.log()[-3000:]
+    finally:
+        ref.cleanup()
+    marker = tmp_path / "crashed"
+    node = Node(tmp_path, "a", args("run"), env={"FTRT_DIAG_CRASH": f"half_applied:8:1:{marker}"}).start()
+    try:
+        assert node.wait(180) == 0, node.log()[-3000:]
+    finally:
+        node.cleanup()
+    assert marker.exists(), "the fault did not fire"
+    run, reference = lines(tmp_path / "run.jsonl"), lines(tmp_path / "ref.jsonl")
+    assert [x["step"] for x in run] == list(range(STEPS))
+    assert len({x["pid"] for x in run}) == 1, "rank 0 did not keep its process"
+    assert run[-1]["resumes"] == 1, run[-1]
+    assert "resumed at step 8" in node.log() and "from memory" in node.log(), node.log()[-3000:]
+    for mine, want in zip(run, reference):
+        assert {k: mine[k] for k in EXACT} == {k: want[k] for k in EXACT}, mine["step"]

@@ -186,27 +186,31 @@ def reference_k1(tmp_path_factory, etcd_server):
     return rows
 
 
-@pytest.mark.parametrize("recovery", ["in-place", "restart"])
-def test_off_policy_samples_ahead_survive_a_trainer_restart(tmp_path, reference_k1, etcd_endpoint, job_id, recovery):
-    """A killed trainer rank (not the driver) trains exactly what the fault-free run trained. In
-    place the driver keeps its process, its fleet and the step sampled ahead; restarted, the job
-    resumes from memory with the step sampled ahead restored from the checkpoint (its weights are
-    gone)."""
+@pytest.mark.parametrize("recovery, victim", [("in-place", 1), ("in-place", 0), ("restart", 1)])
+def test_off_policy_samples_ahead_survive_a_trainer_restart(tmp_path, reference_k1, etcd_endpoint, job_id, recovery,
+                                                            victim):
+    """A killed trainer rank trains exactly what the fault-free run trained. In place, when it is
+    not the driver (rank 0), the driver keeps its process, its fleet and the step sampled ahead,
+    and nothing is restored; when it is the driver, the step sampled ahead went with the weights it
+    was sampled with (only the lost driver's fleet had them), so the ranks restore the memory
+    checkpoint in place, which holds that step's samples. Restarted, the job resumes from memory
+    the same way."""
     import os
 
     from ftrt.chaos.local import worker_pids
 
     def faults(node, metrics):
         wait_steps(metrics, 7)
-        os.kill(worker_pids(etcd_endpoint, job_id)[1], signal.SIGKILL)
+        os.kill(worker_pids(etcd_endpoint, job_id)[victim], signal.SIGKILL)
 
     rows, node = _launched_run(tmp_path, etcd_endpoint, job_id, "run", during=faults, recovery=recovery)
     assert [r["step"] for r in rows] == list(range(STEPS))
-    if recovery == "in-place":
+    if recovery == "in-place" and victim == 1:
         assert rows[-1]["resumes"] == 0 and len({r["pid"] for r in rows}) == 1, rows[-1]
         assert "kept in place at step" in node.log()
     else:
-        assert rows[-1]["resumes"] == 1, rows[-1]
+        assert rows[-1]["resumes"] == 1 and len({r["pid"] for r in rows}) == 2, rows[-1]
+        assert "from memory" in node.log(), node.log()[-3000:]
     assert exact(rows) == exact(reference_k1)
 
 
