@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-COLORS = {"ftrt": "tab:blue", "torchrun": "tab:orange", "c10d best": "tab:orange", "c10d default": "tab:gray"}
+COLORS = {"ftrt": "tab:blue", "ftrt-inplace": "tab:cyan", "torchrun": "tab:orange", "torchft": "tab:purple",
+          "c10d best": "tab:orange", "c10d default": "tab:gray"}
 
 
 def _pyplot():
@@ -52,23 +53,22 @@ def steps_vs_interval_png(entries: list[dict], path: str | Path) -> None:
     labels = ["none" if e["every"] is None else f"{e['every']:g} s" for e in entries]
     x = range(len(entries))
     top = 0.0
-    for system, dx in (("ftrt", -0.2), ("torchrun", 0.2)):
+    systems = list(dict.fromkeys(k[:-len("_steps")] for e in entries for k in e if k.endswith("_steps")))
+    width = 0.8 / max(len(systems), 1)
+    for n, system in enumerate(systems):
+        dx = (n - (len(systems) - 1) / 2) * width
         rate = [e.get(f"{system}_steps", 0) * 60 / e["wall_s"] for e in entries]
         top = max(top, *rate)
-        bars = ax.bar([i + dx for i in x], rate, width=0.4, color=COLORS[system], label=system)
+        bars = ax.bar([i + dx for i in x], rate, width=width, color=COLORS.get(system), label=system)
         for b, e in zip(bars, entries):
             ax.annotate(f"{e.get(f'{system}_steps', 0)}", (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=8)
-    for i, e in enumerate(entries):
-        if "steps_ratio" in e:
-            ax.annotate(f"{e['steps_ratio']:.2f}x", (i, 0), xytext=(0, 4), textcoords="offset points", ha="center",
-                        fontsize=9, color="white", weight="bold")
     ax.set_xticks(list(x), labels)
     ax.set_xlabel("a node killed every (and back 10 s later)")
     ax.set_ylabel("steps trained per minute")
     ax.set_title("GRPO on 3 nodes: steps trained in the same wall time (labels: steps)")
     ax.set_ylim(0, top * 1.25)  # room for the legend above the bars, clear of the ratio labels
-    ax.legend(loc="upper center", ncol=2)
+    ax.legend(loc="upper center", ncol=max(len(systems), 1))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

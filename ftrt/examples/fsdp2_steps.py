@@ -76,14 +76,14 @@ def main() -> None:
             with rt.step():
                 t0 = time.monotonic()
                 loss = train_step(model, opt, step, args.batch, saving)
-                saving = ck.save(step + 1, {"model": model, "optim": opt, "trainer": {"step": step + 1}},
-                                 persist=(step + 1) % args.persist_every == 0 or step + 1 == args.steps)
-                rt.heartbeat(step + 1)
                 w = weight_sum(model)
-                if args.progress and dist.get_rank() == 0:
+                if args.progress and dist.get_rank() == 0:  # before the save: a step restored has its line
                     with open(args.progress, "a") as f:
                         f.write(json.dumps({"time": time.time(), "step": step, "world": dist.get_world_size(),
                                             "round": rt.round, "pid": os.getpid(), "loss": loss, "w": w}) + "\n")
+                saving = ck.save(step + 1, {"model": model, "optim": opt, "trainer": {"step": step + 1}},
+                                 persist=(step + 1) % args.persist_every == 0 or step + 1 == args.steps)
+                rt.heartbeat(step + 1)
                 step += 1
                 if (spent := time.monotonic() - t0) < args.step_time:
                     time.sleep(args.step_time - spent)
@@ -110,7 +110,11 @@ def enter(rt: ftrt.Runtime, args: argparse.Namespace):
     model, opt = build(dist.get_world_size())
     ck = rt.checkpointer(args.ckpt)
     state = {"model": model, "optim": opt, "trainer": {"step": 0}}
-    ck.restore(state)
+    try:
+        ck.restore(state)
+    except BaseException:
+        ck.retire()  # a peer lost while restoring: this round's checkpointer goes with it
+        raise
     return model, opt, ck, int(state["trainer"]["step"])
 
 

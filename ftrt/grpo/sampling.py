@@ -128,14 +128,15 @@ class FleetSampling:
         and ``max_off_policy_steps > 0``): the steps ahead were sampled with weights that only the
         lost driver knew, so the job must go on from a checkpoint, whose state holds them."""
         self.rank, self.distributed, self._wait = rank, distributed, wait
-        error, fresh = "", False
+        error = ""
         if rank == 0 and self.fleet is None:
-            fresh = True
             error = self._connect(self.job_id)
         elif rank != 0 and self.fleet is not None:  # ranks keep their order: a driver stays rank 0 or goes
             self.close()
             self.fleet, self._next, self._last = None, None, None
-        self._agree(error, extra=1.0 if fresh and self.k else 0.0)
+        # A rank 0 whose fleet has not started yet (connected now, or in an agreement a fault cut
+        # short) has none of the samples ahead.
+        self._agree(error, extra=1.0 if rank == 0 and self.k and self._next is None else 0.0)
         return self._extra > 0
 
     def _connect(self, job_id: str) -> str:
@@ -236,6 +237,8 @@ class FleetSampling:
         error = ""
         if self.fleet is not None and self._last is not None and self._last[0] == step:
             _, header, block = self._last  # trained again: its completions came already
+            header = header.clone()
+            header[3:5] = 0.0  # no push and no wait for completions in this attempt
         elif self.fleet is not None:
             try:
                 t0 = time.perf_counter()

@@ -18,21 +18,23 @@ Exactness rules (what makes resume and elasticity lossless):
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import fcntl
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 import ftrt
 from ftrt import _diag
-from ftrt.grpo.checkpointing import Cadences, SaveDecision, Saves
+from ftrt.grpo.checkpointing import Cadences, SaveDecision, Saves, decide_save
 from ftrt.grpo.config import GRPOConfig
 from ftrt.grpo.loss import aggregate, clipped_surrogate, group_advantages, k3_kl
 from ftrt.policy.model import param_count
@@ -56,17 +58,34 @@ def shard(n: int, world: int, rank: int) -> tuple[int, int]:
 
 
 class Metrics:
-    """Rank 0's JSON-lines file: one line per trained step, the committed trajectory only."""
+    """Rank 0's JSON-lines file: one line per trained step, the committed trajectory only.
+
+    In place, a rank 0 that lost its round (it is leaving, or was frozen) may still write a line
+    after the next round's rank 0 wrote its own: every change of the file happens under a lock
+    (``<path>.lock``), and a line is written only if it is newer than the file's last one (a later
+    step, or the same step trained again in a later round, which replaces it)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = Path(path) if path else None
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
 
     def rewind(self, step: int) -> int:
         """Drop lines of steps >= ``step`` (trained but not committed); return how many."""
         if self.path is None or not self.path.exists():
             return 0
+        with self._locked():
+            return self._rewind(step)
+
+    def _rewind(self, step: int) -> int:
         keep, dropped = [], 0
-        for line in self.path.read_text().splitlines():
+        for line in self.path.read_text().splitlines():  # type: ignore[union-attr]
             if not line.strip():
                 continue
             try:
@@ -78,29 +97,54 @@ class Metrics:
                 dropped += 1
             else:
                 keep.append(line)
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp = self.path.with_name(self.path.name + ".tmp")  # type: ignore[union-attr]
         tmp.write_text("".join(x + "\n" for x in keep))
-        os.replace(tmp, self.path)
+        os.replace(tmp, self.path)  # type: ignore[arg-type]
         return dropped
+
+    def _last(self) -> dict[str, Any] | None:
+        """The file's last line (read from its end), or None."""
+        try:
+            with open(self.path, "rb") as f:  # type: ignore[arg-type]
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 65536))
+                tail = f.read().splitlines()
+        except FileNotFoundError:
+            return None
+        for raw in reversed(tail):
+            try:
+                return json.loads(raw)
+            except ValueError:
+                continue  # torn, or cut by the seek
+        return None
 
     def settle(self, step: int, last: dict[str, Any] | None) -> int:
         """Make the file end with step ``step - 1`` after the ranks agreed on ``step`` in place:
         drop the lines of steps >= ``step`` (a lost rank 0 recorded a step the others had not
         applied; it is trained again) and append ``last``, the record of step ``step - 1``, when the
         rank 0 that trained it was lost before it wrote it. Returns how many lines were dropped."""
-        dropped = self.rewind(step)
-        if self.path is None or not last or last.get("step") != step - 1:
-            return dropped
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
-        if not lines or json.loads(lines[-1]).get("step") != step - 1:
-            self.append(last)
+        if self.path is None:
+            return 0
+        with self._locked():
+            dropped = self._rewind(step) if self.path.exists() else 0
+            if last and last.get("step") == step - 1:
+                self._append(last)
         return dropped
 
     def append(self, record: dict) -> None:
+        """Write ``record`` unless the file has its step already, from this round or a later one."""
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
+        with self._locked():
+            self._append(record)
+
+    def _append(self, record: dict) -> None:
+        prev = self._last()
+        if prev is not None and prev.get("step", -1) >= record["step"]:
+            if prev.get("round", 0) >= record.get("round", 0):
+                return  # recorded already (by this round's rank 0, or a later one)
+            self._rewind(record["step"])  # an older round's rank 0 recorded it: this one replaces it
+        with open(self.path, "a") as f:  # type: ignore[arg-type]
             f.write(json.dumps(record) + "\n")
 
 
@@ -225,6 +269,7 @@ def _loop(run: _Run, rnd: _Round, rewards: list[float]) -> tuple[bool, _Round]:
     cfg = run.cfg
     step_s = 0.0
     first = True
+    resave_final = False  # a round changed after the last step's save started (it was given up)
     while (step := run.trainer["step"]) < cfg.steps:
         try:
             with run.rt.step():
@@ -239,8 +284,10 @@ def _loop(run: _Run, rnd: _Round, rewards: list[float]) -> tuple[bool, _Round]:
                 if decision.keep:
                     run.sampling.before_save(step + 1, run.state.get("rollout", {}), run.trainer["frontier"])
                 rnd.saves.start(step + 1, decision)
+                resave_final = False
         except WorldChanged as exc:
             rnd = _change_round(run, rnd, exc)
+            resave_final = True
             continue
         if done.round_ends:
             rnd.saves.wait()  # the new round resumes from this save
@@ -250,6 +297,12 @@ def _loop(run: _Run, rnd: _Round, rewards: list[float]) -> tuple[bool, _Round]:
             print(f"[ftrt.grpo] rank {rnd.rank}: this node leaves the job after step {step}; the other ranks go on "
                   "in place", flush=True)
             run.rt.exit_for_round()
+    if resave_final and rnd.ck is not None:
+        # the last step's save went with a round changed after it: save it again in this round
+        final = decide_save(cfg.steps, cfg.steps, checkpointing=True, round_ends=False, storage_due=True,
+                            memory_due=True)
+        run.sampling.before_save(cfg.steps, run.state.get("rollout", {}), run.trainer["frontier"])
+        rnd.saves.start(cfg.steps, final)
     rnd.bar.close()
     rnd.saves.close()  # waits for the last save: the final state is committed before we report
     return False, rnd
@@ -339,14 +392,7 @@ def _enter_round(run: _Run) -> _Round:
         lost_ahead = run.sampling.regroup(rank, distributed, rt.wait)
         synced = -1
         if distributed:
-            view = {**run.state, "line": run.last_line or {}}
-            applied = run.trainer["step"] if run.holds and not lost_ahead else -1
-            synced = sync_state_dict(applied, view, wait=rt.wait, prefer=0)
-            if synced >= 0:
-                for key, value in view.items():
-                    if key in run.state and not isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
-                        run.state[key] = value  # plain values arrive as new objects
-                run.last_line = view["line"] or None
+            synced = _agree_on_state(run, -1 if lost_ahead else None)
         cadence = Cadences(rt, cfg, ck, announce=rank == 0)
         metrics = Metrics(cfg.metrics_path if rank == 0 else None)
         if synced < 0:
@@ -356,6 +402,8 @@ def _enter_round(run: _Run) -> _Round:
             if rank == 0:
                 run.trainer["redone"] += metrics.settle(synced, run.last_line)
         run.holds = run.started = True
+        if distributed:  # rank 0 counts what was trained again: every rank's counters say the same
+            _share_counters(run)
         tr = run.trainer
         if tr["step"] < cfg.steps:
             run.sampling.start(tr["step"], run.state.get("rollout", {}), tr["frontier"])
@@ -367,6 +415,37 @@ def _enter_round(run: _Run) -> _Round:
     bar = Progress(cfg.progress if rank == 0 else "none", cfg.steps)
     return _Round(rank=rank, world=world, distributed=distributed, nodes=nodes, ck=ck, cadence=cadence,
                   metrics=metrics, saves=Saves(ck, cadence, run.state), bar=bar)
+
+
+def _agree_on_state(run: _Run, applied: int | None) -> int:
+    """Agree on the state over this round's group (:func:`ftrt.sync_state_dict`, rank 0 preferred);
+    returns the agreed step, -1 when no rank holds a whole step's state. ``applied``: what this
+    rank reports instead of its own step (-1: hold nothing).
+
+    The state is taken into ``run.state`` itself, with the last step's record beside it, so weights
+    and counters change together; a rank whose agreement failed midway may have taken part of a
+    state, and holds none until the next agreement."""
+    if applied is None:
+        applied = run.trainer["step"] if run.holds else -1
+    run.state["line"] = run.last_line or {}
+    try:
+        synced = sync_state_dict(applied, run.state, wait=run.rt.wait, prefer=0)
+    except BaseException:
+        run.holds = False
+        raise
+    finally:
+        line = run.state.pop("line")
+    run.last_line = line or None
+    return synced
+
+
+def _share_counters(run: _Run) -> None:
+    """Give every rank rank 0's count of steps trained again and of resumes (only rank 0 counts
+    them), so a later rank 0 goes on from the same numbers."""
+    tr = run.trainer
+    counters = torch.tensor([tr["redone"], tr["resumes"]], dtype=torch.int64)
+    run.rt.wait(dist.broadcast(counters, 0, async_op=True))
+    tr["redone"], tr["resumes"] = (int(x) for x in counters.tolist())
 
 
 def _restore(run: _Run, ck: Checkpointer | None, cadence: Cadences, metrics: Metrics, rank: int, world: int) -> None:

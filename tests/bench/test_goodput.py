@@ -109,3 +109,17 @@ def test_overhead_breakdown_charges_each_component_by_its_own_pairs():
     c = components(rows, ["ftrt", "ftrt-nohb", "ftrt-mem1", "ftrt-nomem"])
     assert list(c) == ["ftrt-nohb"]  # ftrt-nomem did not run
     assert c["ftrt-nohb"]["pair_ratios"] == [1.05, 1.0] and c["ftrt-nohb"]["component"] == "heartbeats"
+
+
+def test_series_gives_every_ftrt_system_s_ratio_to_every_baseline():
+    from bench.goodput import render_series, series
+
+    rows = [{"system": s, "every": 60.0, "steps": n, "goodput": g, "wall_s": 300, "rep": 0}
+            for s, n, g in (("ftrt", 760, 0.98), ("ftrt-inplace", 800, 0.99), ("torchrun", 600, 0.76),
+                            ("torchft", 640, 0.95))]
+    (e,) = series(rows)
+    assert e["ratios"] == {"ftrt/torchrun": pytest.approx(760 / 600, abs=1e-4), "ftrt/torchft": 1.1875,
+                           "ftrt-inplace/torchrun": pytest.approx(800 / 600, abs=1e-4), "ftrt-inplace/torchft": 1.25}
+    assert e["steps_ratio"] == e["ratios"]["ftrt/torchrun"] and e["torchft_steps"] == 640
+    table = render_series([e])
+    assert "ftrt-inplace/torchft" in table and "1.250" in table and "99.0%" in table
