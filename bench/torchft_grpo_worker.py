@@ -32,14 +32,12 @@ import logging
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 from torch.distributed import ReduceOp
-from torchft import Manager, ProcessGroupGloo
-from torchft.checkpointing.pg_transport import PGTransport
+from torchft import Manager
 
-from bench.torchft_worker import LOOPBACK, MANAGER_TIMEOUT, PG_TIMEOUT, _bind_manager_server_to_loopback
+from bench.torchft_worker import make_manager
 from ftrt.grpo.config import GRPOConfig, load_config
 from ftrt.grpo.loss import aggregate, clipped_surrogate, group_advantages, k3_kl
 from ftrt.grpo.trainer import shard
@@ -66,21 +64,7 @@ def main(argv: list[str]) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-    def state_dict() -> dict:
-        return {"model": model.state_dict(), "optim": opt.state_dict()}
-
-    def load_state_dict(state: dict) -> None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-
-    _bind_manager_server_to_loopback()
-    pg = ProcessGroupGloo(timeout=PG_TIMEOUT)
-    manager = Manager(
-        pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
-        replica_id=f"bench_{group}", hostname=LOOPBACK, timeout=MANAGER_TIMEOUT,
-        checkpoint_transport=PGTransport(pg, timeout=PG_TIMEOUT, device=torch.device("cpu")),
-    )
-    log.info("replica group %d starts (pid %d)", group, os.getpid())
+    manager = make_manager(group, model, opt)
     while manager.current_step() < cfg.steps:
         manager.start_quorum()
         line = train_step(cfg, manager, built, model, ref, params, opt)

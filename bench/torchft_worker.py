@@ -69,21 +69,7 @@ def main() -> None:
         model(torch.zeros(16, 32)).pow(2).mean().backward()
         opt.zero_grad(set_to_none=True)
 
-    def state_dict() -> dict:
-        return {"model": net.state_dict(), "optim": opt.state_dict()}
-
-    def load_state_dict(state: dict) -> None:
-        net.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-
-    _bind_manager_server_to_loopback()
-    pg = ProcessGroupGloo(timeout=PG_TIMEOUT)
-    manager = Manager(
-        pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
-        replica_id=f"bench_{group}", hostname=LOOPBACK, timeout=MANAGER_TIMEOUT,
-        checkpoint_transport=PGTransport(pg, timeout=PG_TIMEOUT, device=torch.device("cpu")),
-    )
-    log.info("replica group %d starts (pid %d)", group, os.getpid())
+    manager = make_manager(group, net, opt)
     marker = args.fault_marker or f"{args.ckpt or args.progress or 'x'}.failed-once"
     while manager.current_step() < args.steps:
         t0 = time.monotonic()
@@ -94,6 +80,29 @@ def main() -> None:
         if spent < args.step_time:
             time.sleep(args.step_time - spent)
     manager.shutdown()
+
+
+def make_manager(group: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Manager:
+    """Replica group ``group``'s torchft manager at the bench's settings (module docstring): a gloo
+    group bounded by :data:`PG_TIMEOUT`, and a newcomer healing ``model`` and ``opt`` from a live
+    peer over it (``PGTransport``)."""
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    def load_state_dict(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+
+    _bind_manager_server_to_loopback()
+    pg = ProcessGroupGloo(timeout=PG_TIMEOUT)
+    manager = Manager(
+        pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
+        replica_id=f"bench_{group}", hostname=LOOPBACK, timeout=MANAGER_TIMEOUT,
+        checkpoint_transport=PGTransport(pg, timeout=PG_TIMEOUT, device=torch.device("cpu")),
+    )
+    log.info("replica group %d starts (pid %d)", group, os.getpid())
+    return manager
 
 
 def parse_args() -> argparse.Namespace:

@@ -23,6 +23,25 @@ def ddp_args(progress: Path, *, steps: int, step_time: float = 0.05, extra: tupl
     ]
 
 
+def lose_node_b(tmp: Path, args: list[str], etcd: str, job_id: str, ready: Callable[[], bool], what: str,
+                timeout: float = 180) -> tuple[dict[str, Node], set[int]]:
+    """Nodes ``a`` and ``b`` run the job ``args``; once ``ready()`` (``what``, for the error), ``b`` is
+    SIGKILLed and ``a`` runs to the job's end (exit 0). Returns both nodes and the pids of the job's
+    workers just before the kill."""
+    from ftrt.chaos.local import worker_pids
+
+    nodes = {n: Node(tmp, n, args).start() for n in ("a", "b")}
+    try:
+        wait_until(ready, 120, what)
+        before = set(worker_pids(etcd, job_id).values())
+        nodes["b"].kill()
+        assert nodes["a"].wait(timeout) == 0, nodes["a"].log()[-3000:]
+    finally:
+        for n in nodes.values():
+            n.cleanup()
+    return nodes, before
+
+
 def replica_steps(holder: Node, source: str) -> list[int]:
     """The steps of the newest replicas ``holder``'s agent holds from node ``source``, one per rank."""
     steps = []

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrt.chaos.local import worker_pids
-from tests.agents.harness import FAST_WARM, Node, wait_until
+from tests.agents.harness import FAST_WARM, Node, lose_node_b
 
 pytestmark = pytest.mark.slow
 
@@ -39,16 +38,9 @@ def test_a_lost_node_s_shards_come_back_from_its_replica_and_the_survivor_keeps_
     finally:
         ref.cleanup()
     args = job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1)
-    nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
-    try:
-        wait_until(lambda: sum(x["world"] == 2 for x in lines(tmp_path / "run.jsonl")) >= 10, 120,
-                   "10 steps at world size 2")
-        before = set(worker_pids(etcd_endpoint, job_id).values())
-        nodes["b"].kill()
-        assert nodes["a"].wait(180) == 0, nodes["a"].log()[-3000:]
-    finally:
-        for n in nodes.values():
-            n.cleanup()
+    nodes, before = lose_node_b(tmp_path, args, etcd_endpoint, job_id,
+                                lambda: sum(x["world"] == 2 for x in lines(tmp_path / "run.jsonl")) >= 10,
+                                "10 steps at world size 2")
     run, reference = lines(tmp_path / "run.jsonl"), lines(tmp_path / "ref.jsonl")
     log = nodes["a"].log()
     assert "goes on in place at step" in log, log[-3000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ftrt.chaos.local import worker_pids
-from tests.agents.harness import FAST_WARM, Node, wait_until
+from tests.agents.harness import FAST_WARM, Node, lose_node_b, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -95,16 +95,9 @@ def test_a_lost_node_shrinks_the_world_and_trains_exactly_the_same_prompts(tmp_p
                                                                            recovery):
     args = job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, first_round_wait=120,  # both in round 1
                recovery=recovery)
-    nodes = {n: Node(tmp_path, n, args).start() for n in ("a", "b")}
-    try:
-        wait_until(lambda: sum(x["world_size"] == 2 for x in lines(tmp_path / "run.jsonl")) >= 6, 120,
-                   "6 steps at world size 2")
-        before = set(worker_pids(etcd_endpoint, job_id).values())
-        nodes["b"].kill()
-        assert nodes["a"].wait(180) == 0, nodes["a"].log()[-3000:]
-    finally:
-        for n in nodes.values():
-            n.cleanup()
+    nodes, before = lose_node_b(tmp_path, args, etcd_endpoint, job_id,
+                                lambda: sum(x["world_size"] == 2 for x in lines(tmp_path / "run.jsonl")) >= 6,
+                                "6 steps at world size 2")
     run = lines(tmp_path / "run.jsonl")
     assert [x["step"] for x in run] == list(range(STEPS)), "a step was skipped or repeated"
     assert [x["prompt_ids"] for x in run] == [x["prompt_ids"] for x in reference]
