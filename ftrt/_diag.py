@@ -22,6 +22,8 @@ of them do nothing.
 no teardown) when it reaches :func:`crash_point` ``POINT`` in step ``STEP``, once: the first to
 crash creates ``MARKER``, and none crashes once it exists. It puts a fault where a test needs it to
 be sure to hit (e.g. between two optimizer steps of one training step), not where a clock says.
+``FTRT_DIAG_HOLD=POINT:STEP`` makes a worker wait at :func:`holds_at` ``POINT`` of step ``STEP``
+until its caller's condition (e.g. a new round came), so a test's join surely lands mid-run.
 """
 
 from __future__ import annotations
@@ -102,3 +104,15 @@ def crash_point(point: str, step: int) -> None:
     except FileExistsError:
         return  # fired once already (this is the replacement worker)
     os._exit(1)
+
+
+HOLD_ENV = envnames.DIAG_HOLD
+
+
+def holds_at(point: str, step: int) -> bool:
+    """Whether ``$FTRT_DIAG_HOLD`` asks this worker to wait at this point of this step."""
+    raw = os.environ.get(HOLD_ENV)
+    if not raw:
+        return False
+    want, at = raw.split(":", 1)
+    return want == point and int(at) == step

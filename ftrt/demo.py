@@ -6,8 +6,8 @@ summary shows that no trainer process restarted.
 
 It starts an embedded etcd and three agents (``ftrt launch``, one per simulated node, one worker
 each) training the built-in GRPO (``-m ftrt.grpo``) with a checkpoint in memory every step and
-on disk every few, SIGKILLs one node (agent and worker) partway, shows the survivors restoring
-from memory and continuing at world size 2, starts the node again to show it rejoining, and
+on disk every few, SIGKILLs one node (agent and worker) partway, shows the survivors keeping their
+processes and continuing at world size 2, starts the node again to show it rejoining, and
 prints a summary. Everything is in ``--out``: ``metrics.jsonl`` (rank 0's line per step),
 ``summary.json``, ``timeline.png`` and the agents' logs.
 """
@@ -86,8 +86,11 @@ def run_demo(out: Path, *, nodes: int = 3, steps: int = 150, kill_at: int | None
         summary["recovery_s"] = round(first["time"] - killed_at, 3)
         summary["recovered"] = True
         summary["restored_from"] = _restore_tier(agents.values(), nodes - 1)
-        _say(f"the survivors restored from {summary['restored_from'] or 'a checkpoint'} and finished "
-             f"step {first['step']} at world size {nodes - 1}, {summary['recovery_s']:.2f} s after the kill")
+        summary["kept_in_place"] = any("kept in place at step" in a.log() for a in agents.values())
+        how = ("kept their processes (in place)" if summary["kept_in_place"] else
+               f"restored from {summary['restored_from'] or 'a checkpoint'}")
+        _say(f"the survivors {how} and finished step {first['step']} at world size {nodes - 1}, "
+             f"{summary['recovery_s']:.2f} s after the kill")
         if rejoin:
             again = LocalNode(out, victim, launch)
             again.log_path = out / f"agent-{victim}-rejoin.log"

@@ -20,6 +20,7 @@ def test_demo_loses_a_node_recovers_and_loses_no_prompt(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["recovered"] is True and summary["recovery_s"] > 0
+    assert summary["kept_in_place"] is True  # the survivors kept their processes
     worlds = summary["world_sizes"]
     # The first round may form with 2 nodes when the third agent starts late (MIN is 2); what must
     # be there is the shrink from 3 to 2 caused by the kill.

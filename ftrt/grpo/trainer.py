@@ -270,7 +270,11 @@ def _loop(run: _Run, rnd: _Round, rewards: list[float]) -> tuple[bool, _Round]:
     step_s = 0.0
     first = True
     resave_final = False  # a round changed after the last step's save started (it was given up)
+    held = False
     while (step := run.trainer["step"]) < cfg.steps:
+        if not held and _diag.holds_at("round_change", step):  # tests: a join surely lands mid-run
+            held = True
+            _wait_for_round_change(run, step)
         try:
             with run.rt.step():
                 done = _train_step(run, rnd, step, step_s)
@@ -306,6 +310,15 @@ def _loop(run: _Run, rnd: _Round, rewards: list[float]) -> tuple[bool, _Round]:
     rnd.bar.close()
     rnd.saves.close()  # waits for the last save: the final state is committed before we report
     return False, rnd
+
+
+def _wait_for_round_change(run: _Run, step: int, timeout: float = 120.0) -> None:
+    """Train no further than ``step`` until a new round comes or this round is asked to end (at
+    most ``timeout`` s), heart-beating meanwhile (``FTRT_DIAG_HOLD=round_change:STEP``, tests)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (run.rt.world_changed() or run.rt.round_ending()):
+        run.rt.heartbeat(step)
+        time.sleep(0.05)
 
 
 def _setup(cfg: GRPOConfig) -> _Run:

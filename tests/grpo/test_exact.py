@@ -118,7 +118,8 @@ def test_a_joining_node_ends_the_round_at_a_step_boundary_and_nothing_is_redone(
     swap = {f"steps={STEPS}": f"steps={steps}", "checkpoint.interval=5": "checkpoint.interval=1000",
             "checkpoint.memory_interval=1": "checkpoint.memory_interval=1000"}
     args = [swap.get(a, a) for a in job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, recovery=recovery)]
-    nodes = {"a": Node(tmp_path, "a", args).start()}
+    # a trains no further than step 10 until b's join changes its round: the join surely lands mid-run
+    nodes = {"a": Node(tmp_path, "a", args, env={"FTRT_DIAG_HOLD": "round_change:10"}).start()}
     try:
         wait_until(lambda: len(lines(tmp_path / "run.jsonl")) >= 6, 120, "6 steps at world size 1")
         nodes["b"] = Node(tmp_path, "b", args).start()
