@@ -184,7 +184,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
         nproc=cfg.nproc_per_node, fence_path=early.fence.path, warm=cfg.warm_workers,
         warm_imports=cfg.warm_imports, base_env=early.base_env, log_dir=cfg.log_dir,
         on_exit=inbox.worker_exited, on_memory=lambda rank, step: _replicate(replicator, pool, rank),
-        on_heartbeat=lambda w: metrics.heartbeat(w.rank, w.round, w.step),
+        on_heartbeat=lambda w: metrics.heartbeat(w.rank, w.taken_round, w.step),
         on_report=_report_handler(metrics, events, alog),
     )
     stack.push_async_callback(pool.close, cfg.stop_grace)

@@ -65,6 +65,10 @@ class Worker:
     local_rank: int = -1
     rank: int = -1
     round: int = 0
+    taken_round: int = 0
+    """The round this worker is known to run: the one it was started in, or the last it said it took
+    in place (:class:`~ftrt.reports.Reconfigured`). Its heartbeats count for that round; ``round``
+    may already name the next one, handed over but not taken yet."""
     step: int = -1
     last_heartbeat: float | None = None
     step_interval: float | None = None
@@ -133,6 +137,7 @@ class Worker:
             case reports.InPlace():
                 self.said_in_place.set()
             case reports.Reconfigured(round=round_no):
+                self.taken_round = max(self.taken_round, round_no)
                 if round_no == self.round:
                     self.took_round.set()
 
@@ -392,6 +397,7 @@ class WorkerPool:
                script: str | None, module: str | None, argv: tuple[str, ...]) -> None:
         """Send the worker its job; it starts running the script as soon as it is warm."""
         self._place(worker, local_rank=local_rank, rank=rank, round_no=round_no)
+        worker.taken_round = round_no  # a fresh worker runs the round it was assigned from its start
         worker.since_round = round_no
         worker.state = WorkerState.RUNNING
         if not worker.proc.send(_job(env, script, module, argv)):  # it died meanwhile: its exit is reported as usual

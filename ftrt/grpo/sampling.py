@@ -116,7 +116,6 @@ class FleetSampling:
         self.per_step = cfg.prompts_per_step
         self.fleet = None
         self._published = -1
-        self._extra = 0.0
         self._next: int | None = None
         """The step the driver's fleet samples next (None: not started)."""
         self._last: tuple[int, torch.Tensor, torch.Tensor] | None = None
@@ -136,8 +135,7 @@ class FleetSampling:
             self.fleet, self._next, self._last = None, None, None
         # A rank 0 whose fleet has not started yet (connected now, or in an agreement a fault cut
         # short) has none of the samples ahead.
-        self._agree(error, extra=1.0 if rank == 0 and self.k and self._next is None else 0.0)
-        return self._extra > 0
+        return self._agree(error, extra=1.0 if rank == 0 and self.k and self._next is None else 0.0) > 0
 
     def _connect(self, job_id: str) -> str:
         from ftrt.rollout.fleet import Fleet
@@ -167,15 +165,15 @@ class FleetSampling:
               f"{endpoints} --job-id {job}` servers (off-policy steps {self.k})", flush=True)
         return ""
 
-    def _agree(self, error: str, extra: float = 0.0) -> None:
+    def _agree(self, error: str, extra: float = 0.0) -> float:
         """Raise on every rank if rank 0 failed (the others would wait in the next collective); rank
-        0's ``extra`` reaches every rank as :attr:`_extra`."""
+        0's ``extra`` is returned on every rank."""
         flag = torch.tensor([1.0 if error else 0.0, extra], dtype=torch.float64)
         if self.distributed:
             self._wait(dist.broadcast(flag, 0, async_op=True))
         if flag[0].item():
             raise ConfigError(error or "Rank 0 could not reach the rollout fleet; see its error.")
-        self._extra = flag[1].item()
+        return flag[1].item()
 
     def version_of(self, step: int) -> int:
         return max(0, step - self.k)

@@ -156,3 +156,19 @@ def test_every_metric_is_documented_and_the_dashboard_names_only_real_ones(m, cl
     dashboard = json.loads((docs / "grafana-ftrt.json").read_text())
     used = {n for p in dashboard["panels"] for t in p["targets"] for n in re.findall(r"ftrt_\w+", t["expr"])}
     assert used and used <= samples, used - samples
+
+
+def test_a_kept_worker_s_beats_count_for_the_round_it_took_not_the_one_only_handed_to_it():
+    """In place the agent hands a worker its next round before the worker takes it; a beat of the
+    step it finished in the old round must not end the new round's recovery."""
+    from types import SimpleNamespace
+
+    from ftrt.agents.workers.pool import Worker
+
+    w = Worker(proc=SimpleNamespace(pid=1))  # type: ignore[arg-type]
+    w.round = w.taken_round = 2
+    w.round = 3  # handed over (WorkerPool.hand_round), not taken yet
+    w.heard(reports.Heartbeat(7))
+    assert w.taken_round == 2
+    w.heard(reports.Reconfigured(3))
+    assert w.taken_round == 3 and w.took_round.is_set()
