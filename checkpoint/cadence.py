@@ -13,9 +13,14 @@ Each tier plans for the faults it is there to recover from. A memory checkpoint 
 holds a copy of recovers the loss of a node, so storage is needed only when every in-memory copy
 of some rank's state is gone at once (several nodes, the whole job): behind such a memory tier,
 the storage tier plans for those losses (:data:`MEMORY_LOSS`), which are far rarer than faults.
-This is multi-level checkpointing (A. Moody, G. Bronevetsky, K. Mohror, B. R. de Supinski,
-"Design, Modeling, and Evaluation of a Scalable Multi-level Checkpointing System", SC 2010), where
-each level's interval follows the rate of the failures that need that level.
+Where the ranks change rounds in place and each holds the whole state (replicated data parallel,
+the GRPO trainer with one optimizer pass a step), the surviving ranks are the level below memory:
+a node's loss costs no checkpoint at all (a newcomer gets the state from a live rank), so the
+memory tier too plans only for what the survivors cannot recover (:data:`IN_PLACE_MISS`: every
+rank lost together, a fallback to a restart). This is multi-level checkpointing (A. Moody,
+G. Bronevetsky, K. Mohror, B. R. de Supinski, "Design, Modeling, and Evaluation of a Scalable
+Multi-level Checkpointing System", SC 2010), where each level's interval follows the rate of the
+failures that need that level.
 
 Everything here is a pure function of its inputs, so the decision can be tested with made-up
 numbers, and so that every rank of a job reaches the same decision when it is given the same
@@ -77,6 +82,9 @@ FAULT = ("fault", "faults")
 """What an MTBF counts by default: faults, a node or a worker lost (:func:`estimate_mtbf`)."""
 MEMORY_LOSS = ("loss of memory checkpoints", "losses of memory checkpoints")
 """What the storage tier's MTBF counts behind a memory tier that recovers a node's loss."""
+IN_PLACE_MISS = ("fault the live ranks did not recover", "faults the live ranks did not recover")
+"""What the memory tier's MTBF counts where the live ranks recover a node's loss in place, each
+holding the whole state: a loss of every rank at once, a fallback to a restart."""
 
 
 def estimate_mtbf(configured_s: float | None, faults: int, elapsed_s: float,
@@ -89,7 +97,8 @@ def estimate_mtbf(configured_s: float | None, faults: int, elapsed_s: float,
       without a fault has shown an MTBF of at least two hours).
 
     ``counted`` names what ``faults`` counts (singular, plural) for the estimate's source:
-    :data:`FAULT`, or :data:`MEMORY_LOSS` for a storage tier behind a memory tier.
+    :data:`FAULT`, :data:`MEMORY_LOSS` for a storage tier behind a memory tier, or
+    :data:`IN_PLACE_MISS` for a memory tier behind ranks that recover in place.
     """
     one, many = counted
     if configured_s is not None:
@@ -226,5 +235,5 @@ class Cadence:
         return choice
 
 
-__all__ = ["Cadence", "Choice", "FAULT", "Interval", "MEMORY_LOSS", "MtbfEstimate", "PRIOR_MTBF_S", "choose_interval",
-           "estimate_mtbf", "parse_interval", "young_daly_interval"]
+__all__ = ["Cadence", "Choice", "FAULT", "IN_PLACE_MISS", "Interval", "MEMORY_LOSS", "MtbfEstimate", "PRIOR_MTBF_S",
+           "choose_interval", "estimate_mtbf", "parse_interval", "young_daly_interval"]

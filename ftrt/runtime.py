@@ -392,7 +392,7 @@ class Runtime:
 
     def cadence(self, name: str, interval: "Interval", *, max_interval_s: float, mtbf: float | None = None,
                 on_choice: "Callable[[str, Choice], None] | None" = None,
-                behind_memory: bool = False) -> "Cadence":
+                behind_memory: bool = False, behind_peers: bool = False) -> "Cadence":
         """A :class:`ftrt.checkpoint.cadence.Cadence` for one checkpoint tier of this job.
 
         ``interval`` is a number of steps or ``"auto"``; ``mtbf`` (seconds) overrides the
@@ -405,12 +405,17 @@ class Runtime:
         then means their MTBF and the launcher's ``--mtbf`` does not apply. The job's faults are
         not such losses, so the fault counts :meth:`Cadence.update` gets are not used: without
         ``mtbf`` it plans for the prior, or for the job's age once longer.
-        """
-        from ftrt.checkpoint.cadence import MEMORY_LOSS, Cadence, estimate_mtbf
 
-        if behind_memory:
+        ``behind_peers``: the tier is a memory tier behind ranks that recover a node's loss in
+        place, each holding the whole state; it plans for the faults they do not recover (every
+        rank lost at once, a fallback to a restart), like ``behind_memory``.
+        """
+        from ftrt.checkpoint.cadence import IN_PLACE_MISS, MEMORY_LOSS, Cadence, estimate_mtbf
+
+        if behind_memory or behind_peers:
+            counted = MEMORY_LOSS if behind_memory else IN_PLACE_MISS
             return Cadence(name, interval, max_interval_s=max_interval_s,
-                           mtbf=lambda faults, elapsed: estimate_mtbf(mtbf, 0, elapsed, counted=MEMORY_LOSS),
+                           mtbf=lambda faults, elapsed: estimate_mtbf(mtbf, 0, elapsed, counted=counted),
                            on_choice=on_choice)
         configured = mtbf if mtbf is not None else self.mtbf
         return Cadence(name, interval, max_interval_s=max_interval_s,

@@ -17,7 +17,7 @@ from ftrt.grpo.config import GRPOConfig
 from ftrt.runtime import Runtime
 
 if TYPE_CHECKING:
-    from ftrt.checkpoint.cadence import Cadence, Choice
+    from ftrt.checkpoint.cadence import Cadence, Choice, Interval
     from ftrt.checkpoint.checkpointer import Checkpointer, SaveHandle
 
 
@@ -39,17 +39,30 @@ class Cadences:
                       flush=True)
 
         memory = c.memory_interval if ck is not None and ck.has_memory_tier else 0
-        self.memory = rt.cadence("memory", memory, max_interval_s=c.memory_max_interval_s, mtbf=c.mtbf,
-                                 on_choice=say)
         self.rt = rt
         self._say = say
         self._cfg = c
+        self.behind_peers = (memory != 0 and rt.in_place and rt.world_size > 1 and cfg.ppo_epochs == 1
+                             and cfg.rollout.mode == "local")
+        """Whether the live ranks recover a node's or a worker's loss here without a checkpoint: in
+        place, two or more ranks, each holding the whole state and a whole step between two steps
+        (one optimizer pass a step; local sampling, so no samples ahead are lost with a rank). The
+        memory tier then plans for the faults they do not recover, not for every fault."""
+        self.memory = self._memory_cadence(memory)
         self.behind_memory = memory != 0 and rt.world_size > rt.local_world_size
         """Whether the memory tier recovers a node's loss here (its copies are replicated to another
         node), so that the storage tier plans for losses of every memory copy, not for every fault."""
         self.storage = self._storage_cadence()
         self._checkpointing = ck is not None
         self._unsettled: list[SaveHandle] = []
+
+    def _memory_cadence(self, memory: "Interval") -> "Cadence":
+        c = self._cfg
+        if self.behind_peers:
+            return self.rt.cadence("memory", memory, max_interval_s=c.memory_max_interval_s, on_choice=self._say,
+                                   behind_peers=True)
+        return self.rt.cadence("memory", memory, max_interval_s=c.memory_max_interval_s, mtbf=c.mtbf,
+                               on_choice=self._say)
 
     def _storage_cadence(self) -> "Cadence":
         c = self._cfg
@@ -64,8 +77,13 @@ class Cadences:
         next save from there.
 
         A restore from storage after a fault shows that the memory tier did not recover it: for
-        the rest of this round the storage tier plans for every fault again.
+        the rest of this round the storage tier plans for every fault again. Likewise a restore in
+        place after a fault shows that the live ranks did not recover it: the memory tier then
+        plans for every fault for the rest of this round.
         """
+        if self.behind_peers and tier is not None and self.rt.faults > 0:
+            self.behind_peers = False
+            self.memory = self._memory_cadence(self.memory.interval)
         if self.behind_memory and tier == "storage" and self.rt.faults > 0:
             self.behind_memory = False
             self.storage = self._storage_cadence()

@@ -10,7 +10,9 @@ Exactness rules (what makes resume and elasticity lossless):
   frontier is saved in the checkpoint with the model and optimizer: it counts prompts whose
   update is committed, never what a loader has read ahead;
 - ranks split a step's prompts in contiguous chunks (the first ``P mod world`` ranks take one
-  more), so the global batch is the same at any world size;
+  more), so the global batch is the same at any world size; a step trained again in place after
+  a peer was lost in its gradient all-reduce keeps each survivor's computed prompts with it
+  (:mod:`ftrt.grpo.salvage`), and the same prompts make the same batch;
 - samples are seeded by ``(seed, step, prompt_id, sample_idx)`` (see :mod:`ftrt.policy.sample`);
 - loss normalisers are global (token and sequence counts all-reduced) and gradients are summed,
   so every world size computes the same update up to float summation order.
@@ -37,6 +39,7 @@ from ftrt import _diag
 from ftrt.grpo.checkpointing import Cadences, SaveDecision, Saves, decide_save
 from ftrt.grpo.config import GRPOConfig
 from ftrt.grpo.loss import aggregate, clipped_surrogate, group_advantages, k3_kl
+from ftrt.grpo.salvage import Salvage, plan_shares, shard
 from ftrt.policy.model import param_count
 from ftrt.policy.sample import Batch, token_logps
 from ftrt.grpo.sampling import FleetSampling, LocalSampling
@@ -48,13 +51,6 @@ from ftrt.runtime import Runtime
 
 if TYPE_CHECKING:
     from ftrt.checkpoint.checkpointer import Checkpointer
-
-
-def shard(n: int, world: int, rank: int) -> tuple[int, int]:
-    """This rank's contiguous slice ``[lo, hi)`` of ``n`` items (the first ``n % world`` get one more)."""
-    base, extra = divmod(n, world)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
 
 
 class Metrics:
@@ -195,6 +191,9 @@ class _Run:
     """Whether this process entered a round before: its model may have moved from the initial weights."""
     last_line: dict[str, Any] | None = None
     """The metrics record of the last step this rank trained (every rank keeps it; rank 0 writes it)."""
+    salvage: Salvage | None = None
+    """The prompts of the step in flight whose gradient ``p.grad`` holds while the step's gradient
+    all-reduce runs (kept when a lost peer fails it, for the step trained again: :mod:`ftrt.grpo.salvage`)."""
 
     @property
     def trainer(self) -> dict[str, int]:
@@ -218,6 +217,9 @@ class _Round:
     metrics: Metrics
     saves: Saves
     bar: Progress
+    redo: tuple[int, list[list[int]]] | None = None
+    """(step, each rank's prompts) when this round trains that step again on gradients kept from its
+    failed attempt (:func:`ftrt.grpo.salvage.plan_shares`); None: the usual shares."""
 
 
 @dataclass
@@ -228,6 +230,8 @@ class _Step:
     loss: float
     kl: float
     """Summed over the step's tokens (divide by ``tokens`` for the mean)."""
+    grad_norm: float
+    """The global norm of the step's (last) summed gradient, before clipping."""
     tokens: float
     step_s: float
     parts: list[tuple[str, list[int]]]
@@ -245,7 +249,7 @@ class _Step:
 
     @property
     def prompt_ids(self) -> list[int]:
-        return [i for _, part in self.parts for i in part]
+        return sorted(i for _, part in self.parts for i in part)
 
 
 def train(cfg: GRPOConfig) -> dict[str, Any]:
@@ -415,8 +419,11 @@ def _enter_round(run: _Run) -> _Round:
             if rank == 0:
                 run.trainer["redone"] += metrics.settle(synced, run.last_line)
         run.holds = run.started = True
+        redo = None
         if distributed:  # rank 0 counts what was trained again: every rank's counters say the same
             _share_counters(run)
+            if _salvages(cfg):
+                redo = _agree_on_redo(run, rank, world, synced)
         tr = run.trainer
         if tr["step"] < cfg.steps:
             run.sampling.start(tr["step"], run.state.get("rollout", {}), tr["frontier"])
@@ -427,7 +434,35 @@ def _enter_round(run: _Run) -> _Round:
     _diag.mark("built")
     bar = Progress(cfg.progress if rank == 0 else "none", cfg.steps)
     return _Round(rank=rank, world=world, distributed=distributed, nodes=nodes, ck=ck, cadence=cadence,
-                  metrics=metrics, saves=Saves(ck, cadence, run.state), bar=bar)
+                  metrics=metrics, saves=Saves(ck, cadence, run.state), bar=bar, redo=redo)
+
+
+def _salvages(cfg: GRPOConfig) -> bool:
+    """Whether a rank keeps its gradient of a step whose all-reduce failed (:mod:`ftrt.grpo.salvage`):
+    one optimizer pass a step, sampled by the ranks themselves."""
+    return cfg.ppo_epochs == 1 and cfg.rollout.mode == "local"
+
+
+def _agree_on_redo(run: _Run, rank: int, world: int, synced: int) -> tuple[int, list[list[int]]] | None:
+    """Agree on which rank holds a gradient of which prompts of the agreed step (kept from its failed
+    attempt, at that step's weights) and on each rank's prompts for training the step again (one
+    all-reduce of a ranks x prompts table); None when no rank holds one."""
+    cfg, held = run.cfg, run.salvage
+    mine = held.prompts if held is not None and synced >= 0 and held.step == synced else ()
+    table = torch.zeros(world, cfg.prompts_per_step, dtype=torch.int32)
+    table[rank, list(mine)] = 1
+    run.rt.wait(dist.all_reduce(table, async_op=True))
+    claims = [tuple(row.nonzero().flatten().tolist()) for row in table]
+    if not mine:
+        run.salvage = None
+    if not any(claims):
+        return None
+    shares = plan_shares(cfg.prompts_per_step, world, claims)
+    if rank == 0:
+        kept = sum(len(c) for c in claims)
+        print(f"[ftrt.grpo] step {synced} is trained again on the gradients of {kept} of its "
+              f"{cfg.prompts_per_step} prompts kept from its failed attempt", flush=True)
+    return synced, shares
 
 
 def _agree_on_state(run: _Run, applied: int | None) -> int:
@@ -509,14 +544,17 @@ def _train_step(run: _Run, rnd: _Round, step: int, last_step_s: float) -> _Step:
     cfg, tr, rt = run.cfg, run.trainer, run.rt
     t0 = time.perf_counter()
     frontier = tr["frontier"]
-    lo, hi = shard(cfg.prompts_per_step, rnd.world, rnd.rank)
-    mine = list(range(frontier + lo, frontier + hi))
+    redo = rnd.redo[1] if rnd.redo is not None and rnd.redo[0] == step else None
+    shares = redo or [list(range(*shard(cfg.prompts_per_step, rnd.world, r))) for r in range(rnd.world)]
+    offsets = shares[rnd.rank]
+    kept = run.salvage if redo is not None and run.salvage is not None and run.salvage.step == step else None
+    mine = [frontier + o for o in offsets]
     sampled = run.sampling.sample(step, mine, frontier)
     batch = sampled.batch
     counts = _all_reduce(run, rnd, torch.tensor([float(batch.mask.sum()), float(batch.mask.shape[0])],
                                                 dtype=torch.float64))
     total_tokens, total_seqs = counts.tolist()
-    loss_value, kl_sum = _update(run, rnd, batch, total_tokens, total_seqs)
+    loss_value, kl_sum = _update(run, rnd, batch, total_tokens, total_seqs, step, offsets, kept)
     # The cadence's inputs ride on this collective, so every rank decides on the same numbers.
     # A node is joining or draining: end this round after this step, saved in memory (the new
     # round redoes nothing), or to storage too when the next round is inactive (the job waits or
@@ -534,55 +572,88 @@ def _train_step(run: _Run, rnd: _Round, step: int, last_step_s: float) -> _Step:
                                                float(durable_here), *rnd.cadence.report(last_step_s)],
                                               dtype=torch.float64))
     reward_sum, loss_total, kl_total, ending, durable, *agreed = sums.tolist()
-    _apply(run, rnd)  # no collective from here to the counters
+    grad_norm = _apply(run, rnd)  # no collective from here to the counters
     tr.update(step=step + 1, frontier=frontier + cfg.prompts_per_step, tokens=tr["tokens"] + int(total_tokens))
     run.holds = True
     round_ends = ending > 0 and step + 1 < cfg.steps  # the last step ends the job anyway
     rnd.cadence.update(agreed, rnd.world)
-    parts = [(rnd.nodes[r], list(range(frontier + a, frontier + b)))
-             for r, (a, b) in ((r, shard(cfg.prompts_per_step, rnd.world, r)) for r in range(rnd.world))]
-    # A step trained again after a fault counts the samples it reused from its first attempt as its
-    # own work (done before the fault; the rest of that attempt is lost).
-    info = {**sampled.info, "reused_s": round(sampled.reused_s, 4)} if sampled.reused_s else sampled.info
+    parts = [(rnd.nodes[r], [frontier + o for o in share]) for r, share in enumerate(shares)]
+    # A step trained again after a fault counts the samples and the gradients it reused from its
+    # failed attempt as its own work (done before the fault; the rest of that attempt is lost).
+    info = dict(sampled.info)
+    if sampled.reused_s:
+        info["reused_s"] = round(sampled.reused_s, 4)
+    kept_s = kept.compute_s if kept is not None else 0.0
+    if kept is not None:
+        info.update(salvaged_prompts=len(kept.prompts), salvaged_s=round(kept_s, 4))
+    step_s = time.perf_counter() - t0 + sampled.reused_s + kept_s
     return _Step(reward_mean=reward_sum / max(total_seqs, 1.0), loss=loss_total, kl=kl_total,
-                 tokens=total_tokens, step_s=time.perf_counter() - t0 + sampled.reused_s, parts=parts,
+                 grad_norm=grad_norm, tokens=total_tokens, step_s=step_s, parts=parts,
                  round_ends=round_ends, round_end_durable=round_ends and durable > 0,
                  leaves=leaves and not round_ends, sampling=info)
 
 
-def _update(run: _Run, rnd: _Round, batch: Batch, total_tokens: float, total_seqs: float) -> tuple[float, float]:
+def _update(run: _Run, rnd: _Round, batch: Batch, total_tokens: float, total_seqs: float, step: int,
+            offsets: list[int], kept: Salvage | None) -> tuple[float, float]:
     """The clipped policy update on one rollout: ``ppo_epochs`` gradients, summed over the ranks,
     each applied before the next is computed; the last one is left for :func:`_apply`. Returns this
-    rank's last loss and its summed KL."""
+    rank's last loss and its summed KL.
+
+    ``offsets`` are this rank's prompts (offsets in the step, the batch's order); ``kept``: the
+    gradient ``p.grad`` already holds of some of them, from the step's failed attempt (only the
+    others are computed, and added to it). While the gradient all-reduce runs, :attr:`_Run.salvage`
+    says what ``p.grad`` holds, for the step's next attempt if a lost peer fails this one."""
     cfg, params = run.cfg, run.params
-    adv = group_advantages(batch.rewards, cfg.adv_std_norm).reshape(-1)
+    if kept is not None:
+        done = set(kept.prompts)
+        todo = [i for i, o in enumerate(offsets) if o not in done]
+        rows = torch.tensor([i * cfg.group_size + j for i in todo for j in range(cfg.group_size)], dtype=torch.long)
+        sequences, mask = batch.sequences[rows], batch.mask[rows]
+        adv = group_advantages(batch.rewards[todo], cfg.adv_std_norm).reshape(-1)
+    else:
+        sequences, mask = batch.sequences, batch.mask
+        adv = group_advantages(batch.rewards, cfg.adv_std_norm).reshape(-1)
     old = ref_logp = None
     loss_value = kl_sum = 0.0
     for epoch in range(cfg.ppo_epochs):
         if epoch:
             _apply(run, rnd)
             _diag.crash_point("half_applied", run.trainer["step"])
-        run.opt.zero_grad(set_to_none=False)
-        if batch.mask.shape[0]:
-            logp = token_logps(run.model, batch.sequences, run.prompt_len, cfg.temperature)
+        t_compute = time.perf_counter()
+        run.salvage = None  # p.grad changes from here
+        if kept is None:
+            run.opt.zero_grad(set_to_none=False)
+        if mask.shape[0]:
+            logp = token_logps(run.model, sequences, run.prompt_len, cfg.temperature)
             old = logp.detach() if old is None else old
             per_token = clipped_surrogate(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high)
             if run.ref is not None:
                 if ref_logp is None:
                     with torch.no_grad():
-                        ref_logp = token_logps(run.ref, batch.sequences, run.prompt_len, cfg.temperature)
+                        ref_logp = token_logps(run.ref, sequences, run.prompt_len, cfg.temperature)
                 kl = k3_kl(logp, ref_logp)
                 per_token = per_token + cfg.kl_beta * kl
-                kl_sum = float((kl.detach() * batch.mask).sum())
-            loss = aggregate(per_token, batch.mask, cfg.loss_agg, total_tokens=total_tokens,
+                kl_sum = float((kl.detach() * mask).sum())
+            loss = aggregate(per_token, mask, cfg.loss_agg, total_tokens=total_tokens,
                              total_seqs=total_seqs, max_len=run.max_new)
             loss.backward()
             loss_value = float(loss.detach())
+        if kept is not None:
+            loss_value, kl_sum = kept.loss + loss_value, kept.kl + kl_sum
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if rnd.distributed:
-            flat = _all_reduce(run, rnd, torch.cat([p.grad.reshape(-1) for p in params]))
+            flat = torch.cat([p.grad.reshape(-1) for p in params])  # p.grad stays this rank's own meanwhile
+            if _salvages(cfg):
+                spent = time.perf_counter() - t_compute + (kept.compute_s if kept is not None else 0.0)
+                run.salvage = Salvage(step, tuple(offsets), loss_value, kl_sum, spent)
+            _diag.crash_point("grad_reduce", step)
+            if _diag.holds_at("grad_reduce", step):  # tests: a peer is lost while this step's gradients are out
+                _diag.mark("held", point="grad_reduce", step=step)
+                _wait_for_round_change(run, step)
+            _all_reduce(run, rnd, flat)
+            run.salvage = None  # p.grad is the sum from here
             off = 0
             for p in params:
                 p.grad.copy_(flat[off:off + p.numel()].view_as(p))
@@ -590,13 +661,17 @@ def _update(run: _Run, rnd: _Round, batch: Batch, total_tokens: float, total_seq
     return loss_value, kl_sum
 
 
-def _apply(run: _Run, rnd: _Round) -> None:
-    """One optimizer step on the summed gradients (clipped), once the save in flight copied the weights."""
+def _apply(run: _Run, rnd: _Round) -> float:
+    """One optimizer step on the summed gradients (clipped), once the save in flight copied the
+    weights; returns their global norm before clipping."""
     if run.cfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(run.params, run.cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(run.params, run.cfg.grad_clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in run.params])
     rnd.saves.before_update()  # the last checkpoint must have copied the weights first
     run.holds = False  # until the step's counters follow (several ppo_epochs: the step is half applied)
     run.opt.step()
+    return float(norm)
 
 
 def _record(run: _Run, rnd: _Round, step: int, done: _Step, decision: SaveDecision, *, first: bool) -> None:
@@ -605,7 +680,8 @@ def _record(run: _Run, rnd: _Round, step: int, done: _Step, decision: SaveDecisi
     tr = run.trainer
     record = {
         "step": step, "reward_mean": done.reward_mean, "loss": done.loss,
-        "kl": done.kl / max(done.tokens, 1.0), "world_size": rnd.world, "prompt_ids": done.prompt_ids,
+        "kl": done.kl / max(done.tokens, 1.0), "grad_norm": done.grad_norm, "world_size": rnd.world,
+        "prompt_ids": done.prompt_ids,
         "tokens_per_s": done.tokens / done.step_s, "time": time.time(), "step_s": done.step_s,
         "redone": tr["redone"], "resumes": tr["resumes"], "nodes": sorted({n for n, _ in done.parts}),
         "round": run.rt.round, "pid": os.getpid(),

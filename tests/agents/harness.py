@@ -24,13 +24,13 @@ def ddp_args(progress: Path, *, steps: int, step_time: float = 0.05, extra: tupl
 
 
 def lose_node_b(tmp: Path, args: list[str], etcd: str, job_id: str, ready: Callable[[], bool], what: str,
-                timeout: float = 180) -> tuple[dict[str, Node], set[int]]:
-    """Nodes ``a`` and ``b`` run the job ``args``; once ``ready()`` (``what``, for the error), ``b`` is
-    SIGKILLed and ``a`` runs to the job's end (exit 0). Returns both nodes and the pids of the job's
-    workers just before the kill."""
+                timeout: float = 180, env_b: dict[str, str] | None = None) -> tuple[dict[str, Node], set[int]]:
+    """Nodes ``a`` and ``b`` run the job ``args`` (``b`` with ``env_b`` too); once ``ready()``
+    (``what``, for the error), ``b`` is SIGKILLed and ``a`` runs to the job's end (exit 0). Returns
+    both nodes and the pids of the job's workers just before the kill."""
     from ftrt.chaos.local import worker_pids
 
-    nodes = {n: Node(tmp, n, args).start() for n in ("a", "b")}
+    nodes = {n: Node(tmp, n, args, env=env_b if n == "b" else None).start() for n in ("a", "b")}
     try:
         wait_until(ready, 120, what)
         before = set(worker_pids(etcd, job_id).values())

@@ -24,7 +24,7 @@ STEPS, PROMPTS = 40, 6  # enough steps after the kill at step 7 that it lands mi
 CONFIG = [f"steps={STEPS}", f"prompts_per_step={PROMPTS}", "group_size=4", "model.d_model=32",
           "model.n_layers=1", "model.n_heads=2", "checkpoint.interval=5", "checkpoint.memory_interval=1",
           "progress=none"]
-EXACT = ("step", "reward_mean", "loss", "kl", "world_size", "prompt_ids")
+EXACT = ("step", "reward_mean", "loss", "kl", "grad_norm", "world_size", "prompt_ids")
 
 
 def lines(path: Path) -> list[dict]:
@@ -173,3 +173,52 @@ def test_a_crash_between_two_optimizer_steps_of_a_step_goes_back_to_the_memory_c
     assert "resumed at step 8" in node.log() and "from memory" in node.log(), node.log()[-3000:]
     for mine, want in zip(run, reference):
         assert {k: mine[k] for k in EXACT} == {k: want[k] for k in EXACT}, mine["step"]
+
+
+def test_a_worker_lost_in_the_gradient_all_reduce_leaves_its_peer_s_gradients_for_the_step_again(
+        tmp_path, reference, etcd_endpoint, job_id):
+    """Rank 1 dies right before step 8's gradient all-reduce (a fault put there), while rank 0 has
+    computed its gradient and waits in that all-reduce. Rank 0, kept in place, keeps its gradient:
+    in the next round it only samples and trains nothing again, the replacement rank 1 computes its
+    share, and the run is bit-identical to a fault-free one."""
+    marker = tmp_path / "crashed"
+    node = Node(tmp_path, "a", job(tmp_path, "run", etcd_endpoint, job_id, "1", 2),
+                env={"FTRT_DIAG_CRASH": f"grad_reduce:8:1:{marker}"}).start()
+    try:
+        assert node.wait(180) == 0, node.log()[-3000:]
+    finally:
+        node.cleanup()
+    assert marker.exists(), "the fault did not fire"
+    run = lines(tmp_path / "run.jsonl")
+    assert [x["step"] for x in run] == list(range(STEPS))
+    kept_in_place(run, node.log())
+    assert run[8]["salvaged_prompts"] == PROMPTS // 2 and run[8]["salvaged_s"] > 0, run[8]
+    assert "step 8 is trained again on the gradients of 3 of its 6 prompts" in node.log(), node.log()[-3000:]
+    for mine, ref in zip(run, reference):
+        assert {k: mine[k] for k in EXACT} == {k: ref[k] for k in EXACT}, mine["step"]
+
+
+def test_a_node_lost_in_the_gradient_all_reduce_leaves_the_survivor_s_gradients_for_the_step_at_the_new_size(
+        tmp_path, reference, etcd_endpoint, job_id):
+    """b's worker holds right before step 10's gradient all-reduce (while a's has computed its
+    gradient and waits in it), then b is SIGKILLed. a goes on alone in place: it trains step 10
+    again on its kept gradient plus b's prompts, and the step's summed gradient is the fault-free
+    one up to float summation order."""
+    trace = tmp_path / "b-trace.jsonl"
+    args = job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, first_round_wait=120)
+
+    def held() -> bool:
+        return trace.exists() and '"held"' in trace.read_text()
+
+    nodes, before = lose_node_b(tmp_path, args, etcd_endpoint, job_id, held, "b's worker to hold at step 10",
+                                env_b={"FTRT_DIAG_HOLD": "grad_reduce:10", "FTRT_DIAG_TRACE": str(trace)})
+    run = lines(tmp_path / "run.jsonl")
+    assert [x["step"] for x in run] == list(range(STEPS)), "a step was skipped or repeated"
+    assert [x["prompt_ids"] for x in run] == [x["prompt_ids"] for x in reference]
+    assert [x["world_size"] for x in run] == [2] * 10 + [1] * (STEPS - 10)
+    kept_in_place(run, nodes["a"].log(), before)
+    assert run[10]["salvaged_prompts"] == PROMPTS // 2, run[10]
+    for mine, ref in zip(run[:10], reference):
+        assert {k: mine[k] for k in EXACT} == {k: ref[k] for k in EXACT}, mine["step"]
+    # the step's summed gradient is the fault-free one (its norm, up to float summation order)
+    assert run[10]["grad_norm"] == pytest.approx(reference[10]["grad_norm"], rel=1e-5), (run[10], reference[10])
