@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 Verdict = tuple[bool, str]
 """Whether an invariant holds, and why (a sentence for the report)."""
 
-EXACT_FIELDS = ("step", "reward_mean", "loss", "kl", "world_size", "prompt_ids")
+EXACT_FIELDS = ("step", "reward_mean", "loss", "kl", "grad_norm", "world_size", "prompt_ids")
 """The fields of a metrics line that ``equivalence: exact`` compares."""
 CHECKED_BY_METRICS = ("kill_node", "kill_worker")
 """Faults whose first evidence an agent sees at once (a broken stream, an exit), so that its
@@ -138,9 +138,9 @@ def ledger(lines: list[dict], prompts_per_step: int) -> Verdict:
 def same_metrics(lines: list[dict], reference: list[dict]) -> Verdict:
     """``equivalence: exact``: every step's :data:`EXACT_FIELDS` equal the fault-free run's, bit for bit."""
     diff = [a["step"] for a, b in zip(lines, reference)
-            if {k: a[k] for k in EXACT_FIELDS} != {k: b[k] for k in EXACT_FIELDS}]
+            if {k: a.get(k) for k in EXACT_FIELDS} != {k: b.get(k) for k in EXACT_FIELDS}]
     return (not diff and len(lines) == len(reference),
-            "every step's reward, loss, kl and prompts equal the fault-free run's" if not diff
+            "every step's reward, loss, kl, gradient norm and prompts equal the fault-free run's" if not diff
             else f"steps {diff[:10]} differ from the fault-free run")
 
 

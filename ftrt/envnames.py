@@ -25,6 +25,9 @@ MTBF = "FTRT_MTBF"
 """The operator's ``--mtbf`` (seconds), or empty."""
 MEM_DIR = "FTRT_MEM_DIR"
 """The node's memory-tier directory."""
+MIN_NODES = "FTRT_MIN_NODES"
+"""The fewest nodes the job runs with (``ftrt launch --nnodes MIN``): a round of that many nodes
+that loses one goes inactive, and its workers stop."""
 RECOVERY = "FTRT_RECOVERY"
 """``in-place`` or ``restart`` (``ftrt launch --recovery``): whether a worker that asks may change
 rounds without exiting."""

@@ -70,6 +70,8 @@ class Runtime:
     """Wall time the job's first round started (0 outside ftrt: then this process's start)."""
     mtbf: float | None = None
     """The MTBF the operator configured (``ftrt launch --mtbf``), or None."""
+    min_nodes: int = 1
+    """The fewest nodes the job runs with (``ftrt launch --nnodes MIN``; 1 outside ftrt)."""
     etcd: "EtcdTarget | None" = None
     """The job's etcd under ``ftrt launch`` (endpoints and access, as the agent handed them down);
     None elsewhere. Code that needs it calls :meth:`etcd_store`."""
@@ -227,7 +229,8 @@ class Runtime:
         :func:`ftrt.sync_state`, and train the step again. When not :attr:`in_place` it only runs
         the step."""
         if self.world_changed():
-            raise WorldChanged(f"Round {self._control.poll().round} replaced round {self.round}.")  # type: ignore[union-attr]
+            raise WorldChanged(f"Round {self._control.poll().round} replaced round {self.round} "  # type: ignore[union-attr]
+                               "at a step boundary.")
         try:
             yield
         except RuntimeError as exc:
@@ -257,10 +260,12 @@ class Runtime:
         wait_leaving(work, self._gone)
 
     def _gone(self) -> str | None:
-        """Why this worker's round went on without it, or None: a new round waits for it, or its node
-        is leaving and the round without it is written (its agent asks the round to end)."""
+        """Why this worker's collective in flight will not complete, or None: a new round without
+        every member of this one waits for it, or its node is leaving and the round without it is
+        written (its agent asks the round to end). A round that keeps every member (a join) waits
+        for the step's end (:meth:`step`)."""
         new = self._control.poll()  # type: ignore[union-attr]
-        if new is not None:
+        if new is not None and not new.keeps_all:
             return f"Round {new.round} replaced round {self.round}"
         if self.draining() and self.round_ending():
             return f"This node is leaving the job; round {self.round} went on without it"
@@ -406,16 +411,20 @@ class Runtime:
         not such losses, so the fault counts :meth:`Cadence.update` gets are not used: without
         ``mtbf`` it plans for the prior, or for the job's age once longer.
 
-        ``behind_peers``: the tier is a memory tier behind ranks that recover a node's loss in
-        place, each holding the whole state; it plans for the faults they do not recover (every
-        rank lost at once, a fallback to a restart), like ``behind_memory``.
+        ``behind_peers``: the tier is a memory tier behind ranks that recover a lost node or worker
+        in place, each holding the whole state; it plans for the faults they do not recover (every
+        rank lost at once, a fallback to a restore or a restart): the counts :meth:`Cadence.update`
+        gets must be of those (e.g. the trainer's restores), and ``mtbf``, when given, is their MTBF.
         """
         from ftrt.checkpoint.cadence import IN_PLACE_MISS, MEMORY_LOSS, Cadence, estimate_mtbf
 
-        if behind_memory or behind_peers:
-            counted = MEMORY_LOSS if behind_memory else IN_PLACE_MISS
+        if behind_memory:
             return Cadence(name, interval, max_interval_s=max_interval_s,
-                           mtbf=lambda faults, elapsed: estimate_mtbf(mtbf, 0, elapsed, counted=counted),
+                           mtbf=lambda faults, elapsed: estimate_mtbf(mtbf, 0, elapsed, counted=MEMORY_LOSS),
+                           on_choice=on_choice)
+        if behind_peers:
+            return Cadence(name, interval, max_interval_s=max_interval_s,
+                           mtbf=lambda misses, elapsed: estimate_mtbf(mtbf, misses, elapsed, counted=IN_PLACE_MISS),
                            on_choice=on_choice)
         configured = mtbf if mtbf is not None else self.mtbf
         return Cadence(name, interval, max_interval_s=max_interval_s,
@@ -493,6 +502,7 @@ def init() -> Runtime:
         launched_by_ftrt=envnames.JOB_ID in os.environ,
         job_started=_env_float(envnames.JOB_STARTED, 0.0) or time.time(),
         mtbf=_env_float(envnames.MTBF, 0.0) or None,
+        min_nodes=max(_env_int(envnames.MIN_NODES, 1), 1),
         etcd=_etcd_target(),
         recovery=os.environ.get(envnames.RECOVERY) or "restart",
         reconfigure_timeout=_env_float(envnames.RECONFIGURE_TIMEOUT, 10.0),

@@ -29,6 +29,7 @@ def job_env(
     nccl_async_error_handling: str = "1",
     recovery: str = "in-place",
     reconfigure_timeout: float = 10.0,
+    min_nodes: int = 1,
 ) -> dict[str, str]:
     """The variables of one worker that do not depend on its round: the job, the node, its place on
     the node (``LOCAL_RANK``), the agent and etcd, and the operator's settings. A worker started
@@ -38,7 +39,8 @@ def job_env(
     password: one from ``FTRT_ETCD_PASSWORD`` is inherited with the agent's environment).
     ``nccl_async_error_handling``: the operator's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, else
     torchrun's default ``1``; ``recovery`` and ``reconfigure_timeout``: ``--recovery`` and
-    ``--reconfigure-timeout``, for a worker that may change rounds in place (:mod:`ftrt.control`)."""
+    ``--reconfigure-timeout``, for a worker that may change rounds in place (:mod:`ftrt.control`);
+    ``min_nodes``: ``--nnodes MIN``."""
     if not 0 <= local_rank < local_world_size:
         raise ValueError(f"local rank {local_rank} is outside 0..{local_world_size - 1}")
     return {
@@ -56,6 +58,7 @@ def job_env(
         envnames.ETCD: etcd,
         envnames.MTBF: "" if mtbf is None else repr(float(mtbf)),
         envnames.RECOVERY: recovery,
+        envnames.MIN_NODES: str(min_nodes),
         envnames.RECONFIGURE_TIMEOUT: repr(float(reconfigure_timeout)),
         **etcd_access.env(),
         # The path of the checkpoint key, never the key (ftrt.checkpoint.signing); without the flag

@@ -28,9 +28,11 @@ class Cadences:
 
     Every rank must decide alike: :meth:`report` gives the numbers this rank contributes to the
     step's all-reduce (sums), and :meth:`update` feeds the agreed totals to both cadences.
+    ``nodes``: how many nodes this round has.
     """
 
-    def __init__(self, rt: Runtime, cfg: GRPOConfig, ck: Checkpointer | None, *, announce: bool) -> None:
+    def __init__(self, rt: Runtime, cfg: GRPOConfig, ck: Checkpointer | None, *, announce: bool,
+                 nodes: int) -> None:
         c = cfg.checkpoint
 
         def say(tier: str, choice: Choice) -> None:
@@ -42,12 +44,15 @@ class Cadences:
         self.rt = rt
         self._say = say
         self._cfg = c
-        self.behind_peers = (memory != 0 and rt.in_place and rt.world_size > 1 and cfg.ppo_epochs == 1
-                             and cfg.rollout.mode == "local")
-        """Whether the live ranks recover a node's or a worker's loss here without a checkpoint: in
+        node_loss_stays_active = nodes == 1 or nodes > rt.min_nodes  # one node's loss is the job's anyway
+        self.behind_peers = (memory != 0 and rt.in_place and rt.world_size > 1 and cfg.steps_stand_alone
+                             and node_loss_stays_active)
+        """Whether the live ranks recover any one lost node or worker here without a checkpoint: in
         place, two or more ranks, each holding the whole state and a whole step between two steps
-        (one optimizer pass a step; local sampling, so no samples ahead are lost with a rank). The
-        memory tier then plans for the faults they do not recover, not for every fault."""
+        (:attr:`GRPOConfig.steps_stand_alone`), and a lost node leaves a round that still runs
+        (``nodes`` in this round, above ``--nnodes MIN``; on one node its loss is the job's, which
+        only storage recovers). The memory tier then plans for the faults they do not recover (the
+        trainer's restores: every rank lost at once, a loss below MIN, a fallback to a restart)."""
         self.memory = self._memory_cadence(memory)
         self.behind_memory = memory != 0 and rt.world_size > rt.local_world_size
         """Whether the memory tier recovers a node's loss here (its copies are replicated to another
@@ -77,13 +82,8 @@ class Cadences:
         next save from there.
 
         A restore from storage after a fault shows that the memory tier did not recover it: for
-        the rest of this round the storage tier plans for every fault again. Likewise a restore in
-        place after a fault shows that the live ranks did not recover it: the memory tier then
-        plans for every fault for the rest of this round.
+        the rest of this round the storage tier plans for every fault again.
         """
-        if self.behind_peers and tier is not None and self.rt.faults > 0:
-            self.behind_peers = False
-            self.memory = self._memory_cadence(self.memory.interval)
         if self.behind_memory and tier == "storage" and self.rt.faults > 0:
             self.behind_memory = False
             self.storage = self._storage_cadence()
@@ -111,12 +111,16 @@ class Cadences:
             out[at + 1] += 1
         return out
 
-    def update(self, agreed: list[float], world: int) -> None:
-        """Feed the all-reduced sums of :meth:`report` (over ``world`` ranks) to both cadences."""
+    def update(self, agreed: list[float], world: int, *, restores: int) -> None:
+        """Feed the all-reduced sums of :meth:`report` (over ``world`` ranks) to both cadences;
+        ``restores``: how often the job restored a checkpoint (the trainer's ``resumes``, the same on
+        every rank), what a memory tier behind the live ranks plans for."""
         step_s, age, mem_sum, mem_n, sto_sum, sto_n = agreed
-        for cadence, total, n in ((self.memory, mem_sum, mem_n), (self.storage, sto_sum, sto_n)):
+        memory_faults = restores if self.behind_peers else self.rt.faults
+        for cadence, total, n, faults in ((self.memory, mem_sum, mem_n, memory_faults),
+                                          (self.storage, sto_sum, sto_n, self.rt.faults)):
             cadence.update(step_s=step_s / world, save_cost_s=total / n if n else None,
-                           faults=self.rt.faults, elapsed_s=age / world)
+                           faults=faults, elapsed_s=age / world)
 
     def decide(self, done: int, steps: int, *, round_ends: bool, durable: bool = False) -> "SaveDecision":
         """What to save once ``done`` of ``steps`` steps are trained (see :func:`decide_save`)."""

@@ -110,6 +110,14 @@ class GRPOConfig(Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
+    @property
+    def steps_stand_alone(self) -> bool:
+        """One optimizer pass a step and completions sampled by the ranks themselves: between two
+        steps every rank holds a whole step, and a step's work depends only on the weights and its
+        prompts (what in-place recovery keeps across a lost peer: ftrt.grpo.salvage, and the memory
+        cadence behind the live ranks)."""
+        return self.ppo_epochs == 1 and self.rollout.mode == "local"
+
     @model_validator(mode="after")
     def _off_policy_needs_fleet(self) -> "GRPOConfig":
         if self.rollout.max_off_policy_steps and self.rollout.mode != "fleet":

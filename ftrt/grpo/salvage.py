@@ -20,7 +20,9 @@ Only for a step of one optimizer pass (``ppo_epochs == 1``) sampled by the ranks
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,47 @@ class Salvage:
     """This rank's summed KL over those prompts' tokens."""
     compute_s: float
     """Seconds their forward and backward passes took (the step's work, done before the fault)."""
+
+
+@dataclass(frozen=True)
+class Redo:
+    """Step ``step`` is trained again on gradients kept from its failed attempt: each rank's prompts."""
+
+    step: int
+    shares: list[list[int]]
+    """Each rank's prompts (offsets within the step), from :func:`plan_shares`."""
+    kept: int
+    """How many of the step's prompts some rank holds a gradient of."""
+
+
+def claim(held: Salvage | None, step: int) -> tuple[int, ...]:
+    """The prompts whose gradient this rank holds for the agreed step ``step`` (-1: the ranks agreed
+    on none, and restored a checkpoint): ``held``'s, when it is of that step."""
+    return held.prompts if held is not None and step >= 0 and held.step == step else ()
+
+
+def agree_on_redo(mine: tuple[int, ...], step: int, rank: int, world: int, prompts: int,
+                  wait: Callable[[Any], None]) -> Redo | None:
+    """Tell every rank which prompts of step ``step`` this rank holds a gradient of (``mine``) and
+    learn theirs (one all-reduce of a ranks x prompts table over the round's group); the split for
+    training the step again, or None when no rank holds one. Collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    table = torch.zeros(world, prompts, dtype=torch.int32)
+    table[rank, list(mine)] = 1
+    wait(dist.all_reduce(table, async_op=True))
+    claims = [tuple(row.nonzero().flatten().tolist()) for row in table]
+    kept = sum(len(c) for c in claims)
+    return Redo(step, plan_shares(prompts, world, claims), kept) if kept else None
+
+
+def rows_to_compute(offsets: list[int], kept: tuple[int, ...], group: int) -> tuple[list[int], list[int]]:
+    """Of a batch of ``offsets``' prompts (``group`` rows each, in that order), the positions of the
+    prompts not in ``kept`` and their rows: what is left to compute."""
+    done = set(kept)
+    todo = [i for i, o in enumerate(offsets) if o not in done]
+    return todo, [i * group + j for i in todo for j in range(group)]
 
 
 def shard(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -56,22 +99,24 @@ def plan_shares(n: int, world: int, claims: list[tuple[int, ...]]) -> list[list[
     ValueError.
     """
     if len(claims) != world or world < 1:
-        raise ValueError(f"plan_shares needs one claim per rank ({world}), got {len(claims)}")
+        raise ValueError(f"plan_shares needs one claim per rank ({world}), got {len(claims)}.")
     owner: dict[int, int] = {}
-    for rank, claim in enumerate(claims):
-        for p in claim:
-            if not 0 <= p < n or p in owner:
-                raise ValueError(f"prompt {p} is claimed twice or lies outside the step's {n} prompts")
+    for rank, held in enumerate(claims):
+        for p in held:
+            if not 0 <= p < n:
+                raise ValueError(f"Rank {rank} holds a gradient of prompt {p}, outside the step's {n} prompts.")
+            if p in owner:
+                raise ValueError(f"Ranks {owner[p]} and {rank} both hold a gradient of prompt {p}.")
             owner[p] = rank
     usual = [shard(n, world, r) for r in range(world)]
     if all(lo <= p < hi for claim, (lo, hi) in zip(claims, usual) for p in claim):
         return [list(range(lo, hi)) for lo, hi in usual]
     free = [p for p in range(n) if p not in owner]
-    shares = [sorted(claim) for claim in claims]
+    shares = [sorted(held) for held in claims]
     for rank in range(world):
         lo, hi = shard(len(free), world, rank)
         shares[rank] = sorted(shares[rank] + free[lo:hi])
     return shares
 
 
-__all__ = ["Salvage", "plan_shares", "shard"]
+__all__ = ["Redo", "Salvage", "agree_on_redo", "claim", "plan_shares", "rows_to_compute", "shard"]

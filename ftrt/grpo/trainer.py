@@ -39,7 +39,7 @@ from ftrt import _diag
 from ftrt.grpo.checkpointing import Cadences, SaveDecision, Saves, decide_save
 from ftrt.grpo.config import GRPOConfig
 from ftrt.grpo.loss import aggregate, clipped_surrogate, group_advantages, k3_kl
-from ftrt.grpo.salvage import Salvage, plan_shares, shard
+from ftrt.grpo.salvage import Redo, Salvage, agree_on_redo, claim, rows_to_compute, shard
 from ftrt.policy.model import param_count
 from ftrt.policy.sample import Batch, token_logps
 from ftrt.grpo.sampling import FleetSampling, LocalSampling
@@ -217,9 +217,9 @@ class _Round:
     metrics: Metrics
     saves: Saves
     bar: Progress
-    redo: tuple[int, list[list[int]]] | None = None
-    """(step, each rank's prompts) when this round trains that step again on gradients kept from its
-    failed attempt (:func:`ftrt.grpo.salvage.plan_shares`); None: the usual shares."""
+    redo: Redo | None = None
+    """The step this round trains again on gradients kept from its failed attempt, and each rank's
+    prompts for it (:mod:`ftrt.grpo.salvage`); None: the usual shares."""
 
 
 @dataclass
@@ -245,7 +245,8 @@ class _Step:
     """This rank's node is leaving the job and the others go on in place: this rank ends after the
     step."""
     sampling: dict[str, Any]
-    """The sampling's metrics-line fields (fleet: weight version, servers, timings)."""
+    """The step's own metrics-line fields: the sampling's (fleet: weight version, servers, timings)
+    and, for a step trained again, what it reused of its failed attempt."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -393,7 +394,8 @@ def _enter_round(run: _Run) -> _Round:
 
     Every rank runs this alike (its collectives and ``new_group`` calls in the same order), the ranks
     kept in place as the newcomers: this round's checkpointer (the old one's groups and round fence
-    are gone), fresh cadences (every rank decides alike), rank 0's metrics file; then the state.
+    are gone), fresh cadences (every rank decides alike), rank 0's metrics file; then the state,
+    and which rank holds which prompts' gradient of the step in flight (:mod:`ftrt.grpo.salvage`).
     Rank 0, when it holds a whole step's state, gives it to every rank (a rank one step ahead is
     rolled back: rank 0 wrote no record of that step, which is trained again), else the newest
     holder does; when no rank holds one (a job's start, or every rank half through a step) the
@@ -410,7 +412,7 @@ def _enter_round(run: _Run) -> _Round:
         synced = -1
         if distributed:
             synced = _agree_on_state(run, -1 if lost_ahead else None)
-        cadence = Cadences(rt, cfg, ck, announce=rank == 0)
+        cadence = Cadences(rt, cfg, ck, announce=rank == 0, nodes=len(set(nodes)))
         metrics = Metrics(cfg.metrics_path if rank == 0 else None)
         if synced < 0:
             _restore(run, ck, cadence, metrics, rank, world)
@@ -422,7 +424,7 @@ def _enter_round(run: _Run) -> _Round:
         redo = None
         if distributed:  # rank 0 counts what was trained again: every rank's counters say the same
             _share_counters(run)
-            if _salvages(cfg):
+            if cfg.steps_stand_alone:
                 redo = _agree_on_redo(run, rank, world, synced)
         tr = run.trainer
         if tr["step"] < cfg.steps:
@@ -437,32 +439,17 @@ def _enter_round(run: _Run) -> _Round:
                   metrics=metrics, saves=Saves(ck, cadence, run.state), bar=bar, redo=redo)
 
 
-def _salvages(cfg: GRPOConfig) -> bool:
-    """Whether a rank keeps its gradient of a step whose all-reduce failed (:mod:`ftrt.grpo.salvage`):
-    one optimizer pass a step, sampled by the ranks themselves."""
-    return cfg.ppo_epochs == 1 and cfg.rollout.mode == "local"
-
-
-def _agree_on_redo(run: _Run, rank: int, world: int, synced: int) -> tuple[int, list[list[int]]] | None:
+def _agree_on_redo(run: _Run, rank: int, world: int, synced: int) -> Redo | None:
     """Agree on which rank holds a gradient of which prompts of the agreed step (kept from its failed
-    attempt, at that step's weights) and on each rank's prompts for training the step again (one
-    all-reduce of a ranks x prompts table); None when no rank holds one."""
-    cfg, held = run.cfg, run.salvage
-    mine = held.prompts if held is not None and synced >= 0 and held.step == synced else ()
-    table = torch.zeros(world, cfg.prompts_per_step, dtype=torch.int32)
-    table[rank, list(mine)] = 1
-    run.rt.wait(dist.all_reduce(table, async_op=True))
-    claims = [tuple(row.nonzero().flatten().tolist()) for row in table]
+    attempt, at that step's weights) and on each rank's prompts for training the step again."""
+    mine = claim(run.salvage, synced)
     if not mine:
-        run.salvage = None
-    if not any(claims):
-        return None
-    shares = plan_shares(cfg.prompts_per_step, world, claims)
-    if rank == 0:
-        kept = sum(len(c) for c in claims)
-        print(f"[ftrt.grpo] step {synced} is trained again on the gradients of {kept} of its "
-              f"{cfg.prompts_per_step} prompts kept from its failed attempt", flush=True)
-    return synced, shares
+        run.salvage = None  # of another step, or the state was restored: p.grad is not that any more
+    redo = agree_on_redo(mine, synced, rank, world, run.cfg.prompts_per_step, run.rt.wait)
+    if redo is not None and rank == 0:
+        print(f"[ftrt.grpo] step {synced} is trained again on the gradients of {redo.kept} of its "
+              f"{run.cfg.prompts_per_step} prompts kept from its failed attempt", flush=True)
+    return redo
 
 
 def _agree_on_state(run: _Run, applied: int | None) -> int:
@@ -471,13 +458,16 @@ def _agree_on_state(run: _Run, applied: int | None) -> int:
     rank reports instead of its own step (-1: hold nothing).
 
     The state is taken into ``run.state`` itself, with the last step's record beside it, so weights
-    and counters change together; a rank whose agreement failed midway may have taken part of a
-    state, and holds none until the next agreement."""
+    and counters change together. A peer lost in one of the agreement's collectives leaves a
+    whole state on every rank (a rank takes the sender's state locally, between two collectives);
+    a rank that could not take it holds none until the next agreement."""
     if applied is None:
         applied = run.trainer["step"] if run.holds else -1
     run.state["line"] = run.last_line or {}
     try:
         synced = sync_state_dict(applied, run.state, wait=run.rt.wait, prefer=0)
+    except WorldChanged:
+        raise  # a peer lost in a collective: this rank's state is its own or, taken whole, the sender's
     except BaseException:
         run.holds = False
         raise
@@ -500,6 +490,7 @@ def _restore(run: _Run, ck: Checkpointer | None, cadence: Cadences, metrics: Met
     """Restore the newest checkpoint, if there is one, and drop the metrics lines of the steps it
     does not hold (rank 0: they will be trained again, and counted as redone)."""
     cfg = run.cfg
+    run.salvage = None  # no gradient of the failed attempt survives a restore
     restored = ck.restore(run.state) if ck is not None else None
     if run.started and restored is None:  # this process's weights are not the initial ones any more
         raise FtrtError("The ranks lost the state of the step in flight (every rank was half through it, or the "
@@ -544,7 +535,7 @@ def _train_step(run: _Run, rnd: _Round, step: int, last_step_s: float) -> _Step:
     cfg, tr, rt = run.cfg, run.trainer, run.rt
     t0 = time.perf_counter()
     frontier = tr["frontier"]
-    redo = rnd.redo[1] if rnd.redo is not None and rnd.redo[0] == step else None
+    redo = rnd.redo.shares if rnd.redo is not None and rnd.redo.step == step else None
     shares = redo or [list(range(*shard(cfg.prompts_per_step, rnd.world, r))) for r in range(rnd.world)]
     offsets = shares[rnd.rank]
     kept = run.salvage if redo is not None and run.salvage is not None and run.salvage.step == step else None
@@ -576,7 +567,7 @@ def _train_step(run: _Run, rnd: _Round, step: int, last_step_s: float) -> _Step:
     tr.update(step=step + 1, frontier=frontier + cfg.prompts_per_step, tokens=tr["tokens"] + int(total_tokens))
     run.holds = True
     round_ends = ending > 0 and step + 1 < cfg.steps  # the last step ends the job anyway
-    rnd.cadence.update(agreed, rnd.world)
+    rnd.cadence.update(agreed, rnd.world, restores=tr["resumes"])
     parts = [(rnd.nodes[r], [frontier + o for o in share]) for r, share in enumerate(shares)]
     # A step trained again after a fault counts the samples and the gradients it reused from its
     # failed attempt as its own work (done before the fault; the rest of that attempt is lost).
@@ -605,9 +596,10 @@ def _update(run: _Run, rnd: _Round, batch: Batch, total_tokens: float, total_seq
     says what ``p.grad`` holds, for the step's next attempt if a lost peer fails this one."""
     cfg, params = run.cfg, run.params
     if kept is not None:
-        done = set(kept.prompts)
-        todo = [i for i, o in enumerate(offsets) if o not in done]
-        rows = torch.tensor([i * cfg.group_size + j for i in todo for j in range(cfg.group_size)], dtype=torch.long)
+        if not cfg.steps_stand_alone:
+            raise FtrtError("A kept gradient needs one optimizer pass a step and local sampling (ppo_epochs=1, "
+                            "rollout.mode=local); this is a bug in the trainer.")
+        todo, rows = rows_to_compute(offsets, kept.prompts, cfg.group_size)
         sequences, mask = batch.sequences[rows], batch.mask[rows]
         adv = group_advantages(batch.rewards[todo], cfg.adv_std_norm).reshape(-1)
     else:
@@ -645,7 +637,7 @@ def _update(run: _Run, rnd: _Round, batch: Batch, total_tokens: float, total_seq
                 p.grad = torch.zeros_like(p)
         if rnd.distributed:
             flat = torch.cat([p.grad.reshape(-1) for p in params])  # p.grad stays this rank's own meanwhile
-            if _salvages(cfg):
+            if cfg.steps_stand_alone:
                 spent = time.perf_counter() - t_compute + (kept.compute_s if kept is not None else 0.0)
                 run.salvage = Salvage(step, tuple(offsets), loss_value, kl_sum, spent)
             _diag.crash_point("grad_reduce", step)

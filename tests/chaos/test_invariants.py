@@ -12,8 +12,8 @@ PER = 2  # prompts per step in these inputs
 
 def line(step: int, world: int = 2, prompts: list[int] | None = None, **fields) -> dict:
     ids = list(range(step * PER, (step + 1) * PER)) if prompts is None else prompts
-    return {"step": step, "reward_mean": 0.5, "loss": 0.1, "kl": 0.0, "world_size": world, "prompt_ids": ids,
-            **fields}
+    return {"step": step, "reward_mean": 0.5, "loss": 0.1, "kl": 0.0, "grad_norm": 0.3, "world_size": world,
+            "prompt_ids": ids, **fields}
 
 
 def scenario(**expect) -> Scenario:
@@ -85,9 +85,11 @@ def test_the_ledger_has_no_gap_and_no_repeat():
 def test_exact_equivalence_compares_every_step_bit_for_bit():
     ref = [line(0), line(1), line(2)]
     assert inv.same_metrics([line(0), line(1, time=9.0), line(2)], ref) == (
-        True, "every step's reward, loss, kl and prompts equal the fault-free run's")
+        True, "every step's reward, loss, kl, gradient norm and prompts equal the fault-free run's")
     assert inv.same_metrics([line(0), {**line(1), "loss": 0.1 + 1e-16 + 1e-17}, line(2)], ref) == (
         False, "steps [1] differ from the fault-free run")
+    assert inv.same_metrics([line(0), line(1), {**line(2), "grad_norm": 0.3 + 1e-16}], ref) == (
+        False, "steps [2] differ from the fault-free run")  # a step's update differs, not its loss
     ok, _ = inv.same_metrics([line(0), line(1)], ref)  # a step missing
     assert not ok
 

@@ -71,11 +71,12 @@ def test_behind_a_memory_tier_on_two_nodes_storage_plans_for_losses_of_memory_no
         """The cadences' announcements after one agreed update: 5 ms memory saves, 50 ms storage ones."""
         cfg = load_config(None, list(overrides))
         with Checkpointer(str(tmp_path / "ck"), mem_dir=str(tmp_path / "mem")) as ck:
-            cadences = Cadences(rt, cfg, ck, announce=True)
+            cadences = Cadences(rt, cfg, ck, announce=True, nodes=rt.world_size // rt.local_world_size)
             if resumed_from:
                 cadences.resumed(3, resumed_from)
             world = rt.world_size
-            cadences.update([0.4 * world, 100.0 * world, 0.005 * world, world, 0.05 * world, world], world)
+            cadences.update([0.4 * world, 100.0 * world, 0.005 * world, world, 0.05 * world, world], world,
+                            restores=0)
         return capsys.readouterr().out
 
     def interval(out: str, tier: str) -> float:
@@ -110,30 +111,36 @@ def test_in_place_with_the_whole_state_on_every_rank_memory_plans_for_what_the_l
     class InPlace(Runtime):
         in_place = True  # what ftrt launch --recovery in-place makes true once the group is up
 
-    def memory_interval(rt: Runtime, *overrides: str, resumed_from: str | None = None) -> tuple[float, str]:
+    def memory_interval(rt: Runtime, *overrides: str, nodes: int = 2, restores: int = 0) -> tuple[float, str]:
         cfg = load_config(None, list(overrides))
         with Checkpointer(str(tmp_path / "ck"), mem_dir=str(tmp_path / "mem")) as ck:
-            cadences = Cadences(rt, cfg, ck, announce=True)
-            if resumed_from:
-                cadences.resumed(3, resumed_from)
+            cadences = Cadences(rt, cfg, ck, announce=True, nodes=nodes)
             world = rt.world_size
-            cadences.update([0.4 * world, 100.0 * world, 0.005 * world, world, 0.05 * world, world], world)
+            cadences.update([0.4 * world, 600.0 * world, 0.005 * world, world, 0.05 * world, world], world,
+                            restores=restores)
         out = capsys.readouterr().out
         line = next(x for x in out.splitlines() if "] memory checkpoints every" in x)
         return float(line.split(" every ")[1].split(" s ")[0]), line
 
-    kw = dict(world_size=2, local_world_size=1, faults=4, mtbf=60.0, job_started=time.time() - 100)
+    kw = dict(world_size=2, local_world_size=1, faults=4, mtbf=60.0, job_started=time.time() - 600)
     rare = math.sqrt(2 * 0.005 * 3600) - 0.005
     every_fault = math.sqrt(2 * 0.005 * 60) - 0.005
     seconds, line = memory_interval(InPlace(**kw))
     assert seconds == pytest.approx(rare, abs=0.01), line
-    assert "prior: no fault the live ranks did not recover yet in 100 s" in line
-    # What the survivors cannot recover without a checkpoint plans for every fault again: a rank
-    # that is alone, a step of several optimizer passes (a fault between two leaves no rank with a
-    # whole step), the rollout fleet (samples ahead are lost with rank 0), and a round that had to
-    # restore after a fault. Without in place (--recovery restart) every fault needs the memory tier.
-    assert memory_interval(InPlace(**{**kw, "world_size": 1}))[0] == pytest.approx(every_fault, abs=0.01)
+    assert "prior: no fault the live ranks did not recover yet in 600 s" in line
+    # What the survivors did not recover shows in the trainer's restores: it plans for their rate.
+    seconds, line = memory_interval(InPlace(**kw), restores=2)
+    assert seconds == pytest.approx(math.sqrt(2 * 0.005 * 300) - 0.005, abs=0.01), line
+    assert "observed: 2 faults the live ranks did not recover in 600 s" in line
+    # Where they cannot recover a fault without a checkpoint, memory plans for every fault again: a
+    # rank alone, a step of several optimizer passes (a fault between two leaves no rank with a
+    # whole step), the rollout fleet (samples ahead are lost with rank 0), a round whose node
+    # loss would take the job below --nnodes MIN (it goes inactive and restores), and --recovery
+    # restart. On one node (several ranks) a node's loss is the job's, which only storage recovers.
+    assert memory_interval(InPlace(**{**kw, "world_size": 1}), nodes=1)[0] == pytest.approx(every_fault, abs=0.01)
     assert memory_interval(InPlace(**kw), "ppo_epochs=2")[0] == pytest.approx(every_fault, abs=0.01)
     assert memory_interval(InPlace(**kw), "rollout.mode=fleet")[0] == pytest.approx(every_fault, abs=0.01)
-    assert memory_interval(InPlace(**kw), resumed_from="memory")[0] == pytest.approx(every_fault, abs=0.01)
+    assert memory_interval(InPlace(**kw, min_nodes=2))[0] == pytest.approx(every_fault, abs=0.01)
+    assert memory_interval(InPlace(**kw, min_nodes=2), nodes=3)[0] == pytest.approx(rare, abs=0.01)
     assert memory_interval(Runtime(**kw))[0] == pytest.approx(every_fault, abs=0.01)
+    assert memory_interval(InPlace(**{**kw, "local_world_size": 2}), nodes=1)[0] == pytest.approx(rare, abs=0.01)

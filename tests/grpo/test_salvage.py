@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftrt.grpo.salvage import plan_shares, shard
+from ftrt.grpo.salvage import Salvage, claim, plan_shares, rows_to_compute, shard
 
 
 def usual(n: int, world: int) -> list[list[int]]:
@@ -31,9 +31,18 @@ def test_other_claims_are_kept_and_the_rest_is_split_evenly():
 
 
 def test_overlapping_or_foreign_claims_are_refused():
-    with pytest.raises(ValueError, match="claimed twice"):
+    with pytest.raises(ValueError, match="Ranks 0 and 1 both hold a gradient of prompt 1"):
         plan_shares(6, 2, [(0, 1), (1, 2)])
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match="Rank 0 holds a gradient of prompt 6, outside"):
         plan_shares(6, 2, [(6,), ()])
     with pytest.raises(ValueError, match="one claim per rank"):
         plan_shares(6, 2, [()])
+
+
+def test_a_rank_claims_its_kept_prompts_only_for_the_agreed_step_and_computes_the_rest():
+    held = Salvage(step=8, prompts=(0, 1, 2), loss=0.5, kl=0.0, compute_s=0.2)
+    assert claim(held, 8) == (0, 1, 2)
+    assert claim(held, 7) == () and claim(held, -1) == () and claim(None, 8) == ()  # rolled back, restored
+    # prompts 3 and 5 of [0, 3, 1, 5] are left, 2 rows each
+    assert rows_to_compute([0, 3, 1, 5], (0, 1), 2) == ([1, 3], [2, 3, 6, 7])
+    assert rows_to_compute([0, 1], (0, 1), 4) == ([], [])
