@@ -45,7 +45,7 @@ from ftrt.agents.states import (
 from ftrt.agents.workers.boundary import boundary_timeout, planned_change
 from ftrt.agents.workers.env import pending_env, recorded_error, worker_env
 from ftrt.agents.workers.hangs import find_hung
-from ftrt.agents.workers.keep import job_runs_in_place, keeps_every_member
+from ftrt.agents.workers.keep import is_join, job_runs_in_place
 from ftrt.agents.workers.warmup import change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, WorkerFailure
@@ -571,7 +571,8 @@ class Agent:
             master_addr, master_port = master.addr, master.port
         offset = rnd.rank_offset(self.cfg.node_id)
         old = self._last_started
-        joined = old is not None and old.complete and rnd.complete and keeps_every_member(old.members, rnd.members)
+        joined = (old is not None and old.complete and rnd.complete
+                  and is_join(old.members, rnd.members, faults_between=rnd.faults - old.faults))
         errors = Path(p.mem_dir) / "errors" / f"round-{rnd.round}"
         errors.mkdir(parents=True, exist_ok=True)
         spares = iter(fresh)

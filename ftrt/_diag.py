@@ -23,7 +23,7 @@ no teardown) when it reaches :func:`crash_point` ``POINT`` in step ``STEP``, onc
 crash creates ``MARKER``, and none crashes once it exists. It puts a fault where a test needs it to
 be sure to hit (e.g. between two optimizer steps of one training step), not where a clock says.
 ``FTRT_DIAG_HOLD=POINT:STEP`` makes a worker wait at :func:`holds_at` ``POINT`` of step ``STEP``
-until its caller's condition (e.g. a new round came), so a test's join surely lands mid-run.
+until its caller's condition (e.g. a new round came), once, so a test's join surely lands mid-run.
 """
 
 from __future__ import annotations
@@ -109,10 +109,17 @@ def crash_point(point: str, step: int) -> None:
 HOLD_ENV = envnames.DIAG_HOLD
 
 
+_HELD: set[tuple[str, int]] = set()
+
+
 def holds_at(point: str, step: int) -> bool:
-    """Whether ``$FTRT_DIAG_HOLD`` asks this worker to wait at this point of this step."""
+    """Whether ``$FTRT_DIAG_HOLD`` asks this worker to wait at this point of this step: once per
+    process (a step trained again does not hold again)."""
     raw = os.environ.get(HOLD_ENV)
     if not raw:
         return False
     want, at = raw.split(":", 1)
-    return want == point and int(at) == step
+    if want != point or int(at) != step or (point, step) in _HELD:
+        return False
+    _HELD.add((point, step))
+    return True

@@ -10,7 +10,7 @@ import pytest
 
 from ftrt import WorldChanged
 from ftrt.agents.workers.env import pending_env, worker_env
-from ftrt.agents.workers.keep import job_runs_in_place, keep_in_place, keeps_every_member
+from ftrt.agents.workers.keep import is_join, job_runs_in_place, keep_in_place
 from ftrt.control import ControlChannel, NewRound, decode, encode
 from ftrt.errors import FtrtError
 from ftrt.records import Member, NodeRecord, RoundRecord
@@ -141,13 +141,15 @@ def test_a_join_lets_the_collective_in_flight_complete_and_a_loss_leaves_it(pipe
         rt.wait(SlowWork(1000))
 
 
-def test_only_a_round_with_every_member_of_the_last_one_is_a_join():
+def test_only_a_round_that_adds_members_without_a_fault_is_a_join():
     a, b, c = Member("a", "i1", 1), Member("b", "i1", 1), Member("c", "i1", 1)
-    assert keeps_every_member([a, b], [a, b, c]) and keeps_every_member([a, b], [c, b, a])
-    assert not keeps_every_member([a, b], [a, c])  # b lost
-    assert not keeps_every_member([a, b], [a, Member("b", "i2", 1), c])  # b restarted: its workers are new
-    assert not keeps_every_member([a, b], [a, Member("b", "i1", 2)])  # b's workers changed
-    assert not keeps_every_member([], [a])
+    assert is_join([a, b], [a, b, c], faults_between=0) and is_join([a, b], [c, b, a], faults_between=0)
+    assert not is_join([a, b], [a, b], faults_between=1)  # a worker failed and was replaced: its peer is gone
+    assert not is_join([a, b], [a, b, c], faults_between=1)  # a join and a fault together
+    assert not is_join([a, b], [a, c], faults_between=0)  # b left (a drain)
+    assert not is_join([a, b], [a, Member("b", "i2", 1), c], faults_between=0)  # b restarted: new workers
+    assert not is_join([a, b], [a, Member("b", "i1", 2)], faults_between=0)  # b's workers changed
+    assert not is_join([], [a], faults_between=0)
 
 
 def test_outside_in_place_a_step_only_runs_it():

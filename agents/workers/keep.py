@@ -51,8 +51,10 @@ def job_runs_in_place(records: Iterable[NodeRecord], node_id: str) -> bool:
     return any(r.in_place and r.node_id != node_id and not r.leaving and not r.done_round for r in records)
 
 
-def keeps_every_member(old: Sequence[Member], new: Sequence[Member]) -> bool:
-    """Whether round ``new`` has every member of round ``old`` (same node, same incarnation, same
-    workers): a join. The workers kept from ``old`` then finish their step before they take ``new``,
-    since a collective of ``old`` in flight loses no peer (:attr:`ftrt.control.NewRound.keeps_all`)."""
-    return bool(old) and set(old) <= set(new)
+def is_join(old: Sequence[Member], new: Sequence[Member], *, faults_between: int) -> bool:
+    """Whether round ``new`` only adds to round ``old``: no fault between them (a lost member or a
+    failed worker counts one) and every member of ``old`` in ``new`` (same node, same incarnation,
+    same number of workers). The workers kept from ``old`` then finish their step before they take
+    ``new``, since a collective of ``old`` in flight loses no peer
+    (:attr:`ftrt.control.NewRound.keeps_all`)."""
+    return faults_between == 0 and bool(old) and set(old) <= set(new)

@@ -275,10 +275,8 @@ def _loop(run: _Run, rnd: _Round, rewards: list[float]) -> tuple[bool, _Round]:
     step_s = 0.0
     first = True
     resave_final = False  # a round changed after the last step's save started (it was given up)
-    held = False
     while (step := run.trainer["step"]) < cfg.steps:
-        if not held and _diag.holds_at("round_change", step):  # tests: a join surely lands mid-run
-            held = True
+        if _diag.holds_at("round_change", step):  # tests: a join surely lands mid-run
             _wait_for_round_change(run, step)
         try:
             with run.rt.step():
