@@ -45,7 +45,7 @@ from ftrt.agents.states import (
 from ftrt.agents.workers.boundary import boundary_timeout, planned_change
 from ftrt.agents.workers.env import pending_env, recorded_error, worker_env
 from ftrt.agents.workers.hangs import find_hung
-from ftrt.agents.workers.keep import is_join, job_runs_in_place
+from ftrt.agents.workers.keep import job_runs_in_place
 from ftrt.agents.workers.warmup import change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, WorkerFailure
@@ -570,9 +570,6 @@ class Agent:
                 return
             master_addr, master_port = master.addr, master.port
         offset = rnd.rank_offset(self.cfg.node_id)
-        old = self._last_started
-        joined = (old is not None and old.complete and rnd.complete
-                  and is_join(old.members, rnd.members, faults_between=rnd.faults - old.faults))
         errors = Path(p.mem_dir) / "errors" / f"round-{rnd.round}"
         errors.mkdir(parents=True, exist_ok=True)
         spares = iter(fresh)
@@ -581,8 +578,7 @@ class Agent:
                              error_file=str(errors / f"rank-{offset + local_rank}.json"), **self._job_env(local_rank))
             if local_rank in kept:
                 p.pool.hand_round(kept[local_rank], local_rank=local_rank, rank=offset + local_rank,
-                                  round_no=rnd.round, env=env,
-                                  keeps_all=joined and kept[local_rank].taken_round == old.round)
+                                  round_no=rnd.round, env=env)
             else:
                 p.pool.assign(
                     next(spares), local_rank=local_rank, rank=offset + local_rank, round_no=rnd.round, env=env,
@@ -599,7 +595,7 @@ class Agent:
             p.events.emit("workers_reconfigured", f"ranks {ranks} took round {rnd.round} in place, "
                           f"{len(fresh)} started ({rnd.reason})", ranks=ranks,
                           pids=[kept[lr].pid for lr in sorted(kept)], world_size=rnd.world_size)
-            self._spawn(self._await_reconfigured(rnd.round, list(kept.values()), finish_step=joined))
+            self._spawn(self._await_reconfigured(rnd.round, list(kept.values())))
         else:
             p.events.emit("workers_started", f"ranks {offset}-{last} of {rnd.world_size} "
                           f"started ({rnd.reason})", ranks=list(range(offset, last + 1)),
@@ -620,23 +616,18 @@ class Agent:
             p.pool.refill_later(SPARE_REFILL_DELAY,
                                 idle_grace=idle_warm_grace(change_interval(mtbf, rnd.round, age)))
 
-    async def _await_reconfigured(self, round_no: int, kept: list, *, finish_step: bool) -> None:
+    async def _await_reconfigured(self, round_no: int, kept: list) -> None:
         """Kill a worker kept in place that has not taken round ``round_no`` within
         ``--reconfigure-timeout`` (its exit then fails the round as any worker's failure would,
-        and the round that follows replaces it). ``finish_step``: the round is a join, which the
-        workers take at the end of their step in flight: they may take as long as a step may
-        (``--hang-timeout``, past which a worker counts as hung anyway)."""
-        timeout = max(self.cfg.reconfigure_timeout, self.cfg.hang_timeout) if finish_step \
-            else self.cfg.reconfigure_timeout
-        await self.parts.pool.wait_taken(kept, timeout)
+        and the round that follows replaces it)."""
+        await self.parts.pool.wait_taken(kept, self.cfg.reconfigure_timeout)
         late = [w for w in kept if w.exit_code is None and w.round == round_no and not w.took_round.is_set()]
         current = self._workers_round()
         if not late or current is None or current.round != round_no:
             return
         for w in late:
             detail = (f"rank {w.rank} (pid {w.pid}) did not take round {round_no} in place within "
-                      f"{timeout:g} s (--reconfigure-timeout{', --hang-timeout at a join' if finish_step else ''}); "
-                "killed it, it is replaced")
+                      f"{self.cfg.reconfigure_timeout:g} s (--reconfigure-timeout); killed it, it is replaced")
             self.log.warning("%s", detail)
             self.parts.events.emit("reconfigure_timeout", detail, round=round_no, rank=w.rank)
             w.proc.signal(signal.SIGKILL)

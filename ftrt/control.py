@@ -34,20 +34,14 @@ class NewRound:
 
     round: int
     env: Mapping[str, str]
-    keeps_all: bool = False
-    """Every member of the worker's current round is in this one, with all its workers (a join):
-    a collective in flight in the current round can still complete, so the worker finishes its
-    step and takes this round at the step's end."""
 
     TYPE = "round"
 
 
 def encode(message: NewRound) -> bytes:
     """One message as its JSON line."""
-    body = {"t": message.TYPE, "round": message.round, "env": dict(message.env)}
-    if message.keeps_all:
-        body["keeps"] = True
-    return (json.dumps(body, separators=(",", ":")) + "\n").encode()
+    return (json.dumps({"t": message.TYPE, "round": message.round, "env": dict(message.env)},
+                       separators=(",", ":")) + "\n").encode()
 
 
 def decode(line: bytes | str) -> NewRound | None:
@@ -60,14 +54,12 @@ def decode(line: bytes | str) -> NewRound | None:
         return None
     if not isinstance(body, dict) or body.get("t") != NewRound.TYPE:
         return None
-    rnd, env, keeps = body.get("round"), body.get("env"), body.get("keeps", False)
+    rnd, env = body.get("round"), body.get("env")
     if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0 or not isinstance(env, dict):
         return None
     if not all(isinstance(k, str) and _NAME.match(k) and isinstance(v, str) for k, v in env.items()):
         return None
-    if not isinstance(keeps, bool):
-        return None
-    return NewRound(rnd, dict(env), keeps)
+    return NewRound(rnd, dict(env))
 
 
 class ControlChannel:

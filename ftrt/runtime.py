@@ -260,12 +260,10 @@ class Runtime:
         wait_leaving(work, self._gone)
 
     def _gone(self) -> str | None:
-        """Why this worker's collective in flight will not complete, or None: a new round without
-        every member of this one waits for it, or its node is leaving and the round without it is
-        written (its agent asks the round to end). A round that keeps every member (a join) waits
-        for the step's end (:meth:`step`)."""
+        """Why this worker's round went on without it, or None: a new round waits for it, or its node
+        is leaving and the round without it is written (its agent asks the round to end)."""
         new = self._control.poll()  # type: ignore[union-attr]
-        if new is not None and not new.keeps_all:
+        if new is not None:
             return f"Round {new.round} replaced round {self.round}"
         if self.draining() and self.round_ending():
             return f"This node is leaving the job; round {self.round} went on without it"

@@ -10,7 +10,7 @@ import pytest
 
 from ftrt import WorldChanged
 from ftrt.agents.workers.env import pending_env, worker_env
-from ftrt.agents.workers.keep import is_join, job_runs_in_place, keep_in_place
+from ftrt.agents.workers.keep import job_runs_in_place, keep_in_place
 from ftrt.control import ControlChannel, NewRound, decode, encode
 from ftrt.errors import FtrtError
 from ftrt.records import Member, NodeRecord, RoundRecord
@@ -32,16 +32,14 @@ def test_a_new_round_travels_as_one_line_and_back():
     msg = NewRound(7, {"RANK": "3", "WORLD_SIZE": "4", "FTRT_ROUND": "7"})
     line = encode(msg)
     assert line.endswith(b"\n") and line.count(b"\n") == 1
-    assert decode(line) == msg and not decode(line).keeps_all
-    join = NewRound(8, {"RANK": "3"}, keeps_all=True)
-    assert decode(encode(join)) == join
+    assert decode(line) == msg
 
 
 @pytest.mark.parametrize("line", [
     b"not json", b"[]", b'{"t": "round", "round": -1, "env": {}}', b'{"t": "round", "round": true, "env": {}}',
     b'{"t": "round", "round": 2, "env": {"rank": "1"}}', b'{"t": "round", "round": 2, "env": {"RANK": 1}}',
     b'{"t": "round", "round": 2, "env": {"LD_PRELOAD=": "x"}}', b'{"t": "other", "round": 2, "env": {}}',
-    b'{"t": "round", "round": 2}', b'{"t": "round", "round": 2, "env": {}, "keeps": "yes"}',
+    b'{"t": "round", "round": 2}',
 ])
 def test_a_malformed_message_is_ignored_not_raised(line):
     assert decode(line) is None
@@ -108,48 +106,6 @@ def test_a_step_that_fails_when_the_world_changed_raises_world_changed(pipe):
             os.write(w, encode(NewRound(3, {})))  # the agent's new round comes while the step fails
             raise RuntimeError("peer gone")
     assert isinstance(info.value.__cause__, RuntimeError)
-
-
-class SlowWork:
-    """A collective that completes on its ``slices``-th wait (gloo's ``work.wait(timeout)`` raises
-    "timed out" until then), so that the worker reads its control pipe in between."""
-
-    def __init__(self, slices: int) -> None:
-        self.left = slices
-
-    def wait(self, timeout=None) -> bool:
-        self.left -= 1
-        if self.left > 0:
-            raise RuntimeError("Wait timed out after 50 ms")
-        return True
-
-
-def test_a_join_lets_the_collective_in_flight_complete_and_a_loss_leaves_it(pipe):
-    r, w = pipe
-    rt = _in_place(r)
-    os.write(w, encode(NewRound(2, {}, keeps_all=True)))
-    work = SlowWork(3)
-    rt.wait(work)  # a join keeps every peer of this round: the collective completes
-    assert work.left == 0
-    with pytest.raises(WorldChanged, match="Round 2 replaced round 1 at a step boundary"):
-        with rt.step():
-            raise AssertionError("the step ran although a new round was waiting")
-    rt = _in_place(r)
-    rt._control = ControlChannel(r, after=2)
-    os.write(w, encode(NewRound(3, {})))  # a round without a member of this one: its peer is gone
-    with pytest.raises(WorldChanged, match="Round 3 replaced round 1 while a collective waited"):
-        rt.wait(SlowWork(1000))
-
-
-def test_only_a_round_that_adds_members_without_a_fault_is_a_join():
-    a, b, c = Member("a", "i1", 1), Member("b", "i1", 1), Member("c", "i1", 1)
-    assert is_join([a, b], [a, b, c], faults_between=0) and is_join([a, b], [c, b, a], faults_between=0)
-    assert not is_join([a, b], [a, b], faults_between=1)  # a worker failed and was replaced: its peer is gone
-    assert not is_join([a, b], [a, b, c], faults_between=1)  # a join and a fault together
-    assert not is_join([a, b], [a, c], faults_between=0)  # b left (a drain)
-    assert not is_join([a, b], [a, Member("b", "i2", 1), c], faults_between=0)  # b restarted: new workers
-    assert not is_join([a, b], [a, Member("b", "i1", 2)], faults_between=0)  # b's workers changed
-    assert not is_join([], [a], faults_between=0)
 
 
 def test_outside_in_place_a_step_only_runs_it():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol, Sequence
 
-from ftrt.records import Member, NodeRecord
+from ftrt.records import NodeRecord
 
 
 class Kept(Protocol):
@@ -49,12 +49,3 @@ def job_runs_in_place(records: Iterable[NodeRecord], node_id: str) -> bool:
     of the job, not leaving or finished, said so in its record. Every node runs the same script, so
     one says it for all; the joining node then starts its workers before it is admitted."""
     return any(r.in_place and r.node_id != node_id and not r.leaving and not r.done_round for r in records)
-
-
-def is_join(old: Sequence[Member], new: Sequence[Member], *, faults_between: int) -> bool:
-    """Whether round ``new`` only adds to round ``old``: no fault between them (a lost member or a
-    failed worker counts one) and every member of ``old`` in ``new`` (same node, same incarnation,
-    same number of workers). The workers kept from ``old`` then finish their step before they take
-    ``new``, since a collective of ``old`` in flight loses no peer
-    (:attr:`ftrt.control.NewRound.keeps_all`)."""
-    return faults_between == 0 and bool(old) and set(old) <= set(new)

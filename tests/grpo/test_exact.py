@@ -223,30 +223,3 @@ def test_a_node_lost_in_the_gradient_all_reduce_leaves_the_survivor_s_gradients_
     # the step's summed gradient is the fault-free one (its norm, up to float summation order)
     assert run[10]["grad_norm"] == pytest.approx(reference[10]["grad_norm"], rel=1e-5), (run[10], reference[10])
 
-
-def test_a_node_that_joins_while_a_step_s_gradients_are_out_lets_that_step_finish(tmp_path, etcd_endpoint, job_id):
-    """a and b train at world size 2; a holds right before step 10's gradient all-reduce until the
-    round changes (b waits in that all-reduce meanwhile), and c joins then. The new round keeps
-    every member of the old one: b's all-reduce completes, step 10 is trained once at world size
-    2, and the ranks take the new round at its end. Nothing is trained again."""
-    args = job(tmp_path, "run", etcd_endpoint, job_id, "2:3", 1)
-    nodes = {"a": Node(tmp_path, "a", args, env={"FTRT_DIAG_HOLD": "grad_reduce:10"}).start(),
-             "b": Node(tmp_path, "b", args).start()}
-    try:
-        wait_until(lambda: len(lines(tmp_path / "run.jsonl")) >= 6, 120, "6 steps at world size 2")
-        nodes["c"] = Node(tmp_path, "c", args).start()
-        for n in nodes.values():
-            assert n.wait(240) == 0, n.log()[-3000:]
-    finally:
-        for n in nodes.values():
-            n.cleanup()
-    run = lines(tmp_path / "run.jsonl")
-    assert [x["step"] for x in run] == list(range(STEPS)), "a step was skipped or repeated"
-    ledger = [i for x in run for i in x["prompt_ids"]]
-    assert ledger == list(range(STEPS * PROMPTS)), "a prompt was lost or repeated"
-    assert [x["world_size"] for x in run[:11]] == [2] * 11 and run[11]["world_size"] == 3, [
-        x["world_size"] for x in run]
-    assert run[-1]["redone"] == 0 and run[-1]["resumes"] == 0 and not any("salvaged_prompts" in x for x in run)
-    log = nodes["a"].log() + nodes["b"].log()
-    assert "at a step boundary" in log, log[-3000:]
-    assert not any(x in log for x in ("trained again", "during a step", "while a collective waited")), log[-3000:]
