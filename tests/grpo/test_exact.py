@@ -67,6 +67,27 @@ def kept_in_place(run: list[dict], log: str, before: set[int] | None = None) -> 
     assert "kept in place at step" in log and "resumed at step" not in log, log[-3000:]
 
 
+def join_after_6_steps(tmp: Path, args: list[str], running: dict[str, dict[str, str]], joiner: str,
+                       steps: int) -> tuple[dict[str, Node], list[dict]]:
+    """Nodes ``running`` (name -> extra environment) run the job ``args``; after 6 steps ``joiner``
+    starts and joins. Once every node exited 0: the nodes and the metrics lines, which must hold
+    every step and every prompt once."""
+    nodes = {name: Node(tmp, name, args, env=env).start() for name, env in running.items()}
+    try:
+        wait_until(lambda: len(lines(tmp / "run.jsonl")) >= 6, 120, "6 steps before the join")
+        nodes[joiner] = Node(tmp, joiner, args).start()
+        for n in nodes.values():
+            assert n.wait(300) == 0, n.log()[-3000:]
+    finally:
+        for n in nodes.values():
+            n.cleanup()
+    run = lines(tmp / "run.jsonl")
+    assert [x["step"] for x in run] == list(range(steps)), "a step was skipped or repeated"
+    ledger = [i for x in run for i in x["prompt_ids"]]
+    assert ledger == list(range(steps * PROMPTS)), "a prompt was lost or repeated"
+    return nodes, run
+
+
 @RECOVERY
 def test_a_killed_worker_resumes_with_bit_identical_metrics_and_prompts(tmp_path, reference, etcd_endpoint, job_id,
                                                                         recovery):
@@ -119,19 +140,7 @@ def test_a_joining_node_ends_the_round_at_a_step_boundary_and_nothing_is_redone(
             "checkpoint.memory_interval=1": "checkpoint.memory_interval=1000"}
     args = [swap.get(a, a) for a in job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, recovery=recovery)]
     # a trains no further than step 10 until b's join changes its round: the join surely lands mid-run
-    nodes = {"a": Node(tmp_path, "a", args, env={"FTRT_DIAG_HOLD": "round_change:10"}).start()}
-    try:
-        wait_until(lambda: len(lines(tmp_path / "run.jsonl")) >= 6, 120, "6 steps at world size 1")
-        nodes["b"] = Node(tmp_path, "b", args).start()
-        assert nodes["a"].wait(300) == 0, nodes["a"].log()[-3000:]
-        assert nodes["b"].wait(60) == 0, nodes["b"].log()[-3000:]
-    finally:
-        for n in nodes.values():
-            n.cleanup()
-    run = lines(tmp_path / "run.jsonl")
-    assert [x["step"] for x in run] == list(range(steps)), "a step was skipped or repeated"
-    ledger = [i for x in run for i in x["prompt_ids"]]
-    assert ledger == list(range(steps * PROMPTS)), "a prompt was lost or repeated"
+    nodes, run = join_after_6_steps(tmp_path, args, {"a": {"FTRT_DIAG_HOLD": "round_change:10"}}, "b", steps)
     worlds = [x["world_size"] for x in run]
     assert worlds[0] == 1 and worlds[-1] == 2 and worlds == sorted(worlds), worlds
     log = nodes["a"].log()
@@ -223,3 +232,16 @@ def test_a_node_lost_in_the_gradient_all_reduce_leaves_the_survivor_s_gradients_
     # the step's summed gradient is the fault-free one (its norm, up to float summation order)
     assert run[10]["grad_norm"] == pytest.approx(reference[10]["grad_norm"], rel=1e-5), (run[10], reference[10])
 
+def test_a_node_that_joins_while_a_step_s_gradients_are_out_loses_and_repeats_nothing(tmp_path, etcd_endpoint, job_id):
+    """a and b train at world size 2; a holds right before step 10's gradient all-reduce until the
+    round changes (b waits in that all-reduce meanwhile), and c joins then. The join's round ends
+    the step in flight where a rank still waits in it (then it is trained again at world size 3, on
+    the gradients the ranks kept), or the ranks finish it first: either way every step and prompt
+    is trained once, no step is counted twice and no worker restarts."""
+    args = job(tmp_path, "run", etcd_endpoint, job_id, "2:3", 1)
+    nodes, run = join_after_6_steps(tmp_path, args, {"a": {"FTRT_DIAG_HOLD": "grad_reduce:10"}, "b": {}}, "c", STEPS)
+    worlds = [x["world_size"] for x in run]
+    assert worlds[:10] == [2] * 10 and worlds[-1] == 3 and worlds == sorted(worlds), worlds
+    assert run[-1]["redone"] == 0 and run[-1]["resumes"] == 0, run[-1]
+    log = nodes["a"].log() + nodes["b"].log()
+    assert "kept in place at step" in log and "resumed at step" not in log, log[-3000:]
