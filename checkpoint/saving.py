@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from ftrt import reports
 from ftrt.checkpoint import memtier
 from ftrt.checkpoint import state as st
@@ -309,7 +311,8 @@ class SavePipeline:
                 except RoundChanged as exc:  # the job moved on: retrying cannot help
                     error = exc
                     break
-                except Exception as exc:  # storage errors come in many types (OSError, botocore, DCP's)
+                except (Exception, CheckpointException) as exc:  # storage errors: OSError, botocore, DCP's
+                    # (DCP's CheckpointException, which wraps every rank's error, is a BaseException)
                     error = exc
                     if attempt < self._retries and not self._retired:
                         delay = self._retry_backoff * (2 ** attempt)
