@@ -45,7 +45,7 @@ from ftrt.agents.states import (
 from ftrt.agents.workers.boundary import boundary_timeout, planned_change
 from ftrt.agents.workers.env import pending_env, recorded_error, worker_env
 from ftrt.agents.workers.hangs import find_hung
-from ftrt.agents.workers.keep import job_runs_in_place
+from ftrt.agents.workers.keep import adds_to, job_runs_in_place
 from ftrt.agents.workers.warmup import change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, WorkerFailure
@@ -570,6 +570,9 @@ class Agent:
                 return
             master_addr, master_port = master.addr, master.port
         offset = rnd.rank_offset(self.cfg.node_id)
+        previous = self._last_started
+        joined = (adds_to(previous.round, previous.members, rnd.members, faults_between=rnd.faults - previous.faults)
+                  if previous is not None and previous.complete and rnd.complete else None)  # kept: may finish a step
         errors = Path(p.mem_dir) / "errors" / f"round-{rnd.round}"
         errors.mkdir(parents=True, exist_ok=True)
         spares = iter(fresh)
@@ -578,13 +581,13 @@ class Agent:
                              error_file=str(errors / f"rank-{offset + local_rank}.json"), **self._job_env(local_rank))
             if local_rank in kept:
                 p.pool.hand_round(kept[local_rank], local_rank=local_rank, rank=offset + local_rank,
-                                  round_no=rnd.round, env=env)
+                                  round_no=rnd.round, env=env, adds_to=joined)
             else:
                 p.pool.assign(
                     next(spares), local_rank=local_rank, rank=offset + local_rank, round_no=rnd.round, env=env,
                     script=self.cfg.script, module=self.cfg.module, argv=self.cfg.script_args,
                 )
-        previous, self._last_started = self._last_started, rnd
+        self._last_started = rnd
         self._become(Running(rnd))
         p.metrics.round_started(rnd.round, rnd.world_size, rnd.node_count, rnd.reason, first=previous is None,
                                 fault=previous is not None and rnd.faults > previous.faults, written=rnd.created,

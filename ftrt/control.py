@@ -10,6 +10,11 @@ acknowledges with :class:`ftrt.reports.Reconfigured` once its new process group 
 
 Only the newest round matters: rounds the worker missed while it trained are skipped. The agent
 is the only writer; what it sends is still checked (:func:`decode`), as everything read from a pipe.
+
+A round that only adds members to the worker's round (a join: no fault between, every member kept)
+says so (:attr:`NewRound.adds_to`): no peer of the old round is lost, so its ranks may finish the
+step in flight before they take it, once they agreed on which step that is
+(:meth:`ftrt.Runtime.step` with ``agreed_joins=True``).
 """
 
 from __future__ import annotations
@@ -34,32 +39,43 @@ class NewRound:
 
     round: int
     env: Mapping[str, str]
+    adds_to: int | None = None
+    """The round this one only adds members to (a join, no fault since it), or None: the ranks of
+    that round lose no peer, so a collective of theirs in flight can still complete."""
 
     TYPE = "round"
 
 
 def encode(message: NewRound) -> bytes:
     """One message as its JSON line."""
-    return (json.dumps({"t": message.TYPE, "round": message.round, "env": dict(message.env)},
-                       separators=(",", ":")) + "\n").encode()
+    body: dict[str, object] = {"t": message.TYPE, "round": message.round, "env": dict(message.env)}
+    if message.adds_to is not None:
+        body["adds_to"] = message.adds_to
+    return (json.dumps(body, separators=(",", ":")) + "\n").encode()
+
+
+def _round_number(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def decode(line: bytes | str) -> NewRound | None:
     """The message on one JSON line, or None when it is not one this version knows or is malformed
-    (a round that is not a non-negative integer, an environment that is not upper-case names to
-    strings). Never raises."""
+    (a round, or the round it adds to, that is not a non-negative integer, an environment that is
+    not upper-case names to strings). Never raises."""
     try:
         body = json.loads(line)
     except (ValueError, UnicodeDecodeError):
         return None
     if not isinstance(body, dict) or body.get("t") != NewRound.TYPE:
         return None
-    rnd, env = body.get("round"), body.get("env")
-    if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0 or not isinstance(env, dict):
+    rnd, env, adds_to = body.get("round"), body.get("env"), body.get("adds_to")
+    if not _round_number(rnd) or not isinstance(env, dict):
+        return None
+    if adds_to is not None and not (_round_number(adds_to) and adds_to < rnd):
         return None
     if not all(isinstance(k, str) and _NAME.match(k) and isinstance(v, str) for k, v in env.items()):
         return None
-    return NewRound(rnd, dict(env))
+    return NewRound(rnd, dict(env), adds_to)
 
 
 class ControlChannel:

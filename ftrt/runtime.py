@@ -89,6 +89,8 @@ class Runtime:
     _group: "tuple[str | None, dict[str, Any]] | None" = field(default=None, repr=False)  # init_process_group's
     _round_end: "RoundEndReader | None" = field(default=None, repr=False)  # under ftrt launch
     _polls_round_end: bool = field(default=False, repr=False)  # told the agent (first round_ending())
+    _joins_agreed: bool = field(default=False, repr=False)  # step(agreed_joins=True): ranks agreed on a join
+    _steps_through_joins: bool = field(default=False, repr=False)  # inside step(agreed_joins=True)
 
     def heartbeat(self, step: int) -> None:
         """Tell the agent this worker reached ``step``. Non-blocking; a no-op outside ftrt.
@@ -218,8 +220,22 @@ class Runtime:
         non-blocking read). Always False when not :attr:`in_place`."""
         return self.in_place and self._control.poll() is not None  # type: ignore[union-attr]
 
+    def join_waiting(self) -> bool:
+        """Whether the round waiting for this worker only adds members to its own (a join, no fault
+        since): the ranks of this round lose no peer, so they may finish a step first (see
+        :meth:`step`'s ``agreed_joins``). Cheap, as :meth:`world_changed`."""
+        return self.in_place and self._only_adds(self._control.poll())  # type: ignore[union-attr]
+
+    def join_after_step(self) -> None:
+        """The ranks agreed that a join waits (the step's collective summed :meth:`join_waiting`
+        to more than zero): every rank takes the new round at the next :meth:`step`'s start."""
+        self._joins_agreed = True
+
+    def _only_adds(self, new: "NewRound | None") -> bool:
+        return new is not None and new.adds_to is not None and new.adds_to == self.round
+
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self, *, agreed_joins: bool = False) -> Iterator[None]:
         """Run one training step; raise :class:`ftrt.WorldChanged` if the world changed under it.
 
         On entry: when a new round is waiting (a node joined, or left gracefully). On a
@@ -227,10 +243,21 @@ class Runtime:
         round within ``--reconfigure-timeout``; otherwise the error was the step's own and is
         raised unchanged. Catch :class:`~ftrt.WorldChanged`, call :meth:`reconfigure` and
         :func:`ftrt.sync_state`, and train the step again. When not :attr:`in_place` it only runs
-        the step."""
-        if self.world_changed():
-            raise WorldChanged(f"Round {self._control.poll().round} replaced round {self.round} "  # type: ignore[union-attr]
-                               "at a step boundary.")
+        the step.
+
+        ``agreed_joins=True``: a join (:meth:`join_waiting`) does not end the step in flight, whose
+        collectives can still complete, so nothing is trained again. The ranks must then agree on
+        the step after which they all take it, since one that took it at a step's start would
+        leave a peer waiting inside that step's collective: add :meth:`join_waiting` (as 0 or 1)
+        into a collective every rank runs in each step (e.g. the sum of the step's loss), and call
+        :meth:`join_after_step` where the sum is not zero. The next ``step()`` raises
+        ``WorldChanged`` on every rank alike. A round that drops a member (a fault, a drain)
+        still ends the step at once."""
+        pending = self._control.poll() if self.in_place else None  # type: ignore[union-attr]
+        if self._joins_agreed or (pending is not None and not (agreed_joins and self._only_adds(pending))):
+            number = pending.round if pending is not None else "the next"
+            raise WorldChanged(f"Round {number} replaced round {self.round} at a step boundary.")
+        self._steps_through_joins = agreed_joins
         try:
             yield
         except RuntimeError as exc:
@@ -242,6 +269,8 @@ class Runtime:
             if new is None:
                 raise
             raise WorldChanged(f"Round {new.round} replaced round {self.round} during a step: {exc}") from exc
+        finally:
+            self._steps_through_joins = False
 
     def wait(self, work: Any) -> None:
         """Wait for an asynchronous collective (``dist.all_reduce(t, async_op=True)``), but leave it
@@ -263,7 +292,7 @@ class Runtime:
         """Why this worker's round went on without it, or None: a new round waits for it, or its node
         is leaving and the round without it is written (its agent asks the round to end)."""
         new = self._control.poll()  # type: ignore[union-attr]
-        if new is not None:
+        if new is not None and not (self._steps_through_joins and self._only_adds(new)):
             return f"Round {new.round} replaced round {self.round}"
         if self.draining() and self.round_ending():
             return f"This node is leaving the job; round {self.round} went on without it"
@@ -318,6 +347,7 @@ class Runtime:
             setattr(self, name, value)
         self.job_started = _env_float(envnames.JOB_STARTED, 0.0) or self.job_started
         self.pending = False
+        self._joins_agreed = False
         self._join_group()
         self.report(reports.Reconfigured(self.round))
 

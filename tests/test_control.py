@@ -10,7 +10,7 @@ import pytest
 
 from ftrt import WorldChanged
 from ftrt.agents.workers.env import pending_env, worker_env
-from ftrt.agents.workers.keep import job_runs_in_place, keep_in_place
+from ftrt.agents.workers.keep import adds_to, job_runs_in_place, keep_in_place
 from ftrt.control import ControlChannel, NewRound, decode, encode
 from ftrt.errors import FtrtError
 from ftrt.records import Member, NodeRecord, RoundRecord
@@ -33,13 +33,16 @@ def test_a_new_round_travels_as_one_line_and_back():
     line = encode(msg)
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     assert decode(line) == msg
+    join = NewRound(7, {"RANK": "3"}, adds_to=6)
+    assert decode(encode(join)) == join and decode(encode(join)).adds_to == 6
 
 
 @pytest.mark.parametrize("line", [
     b"not json", b"[]", b'{"t": "round", "round": -1, "env": {}}', b'{"t": "round", "round": true, "env": {}}',
     b'{"t": "round", "round": 2, "env": {"rank": "1"}}', b'{"t": "round", "round": 2, "env": {"RANK": 1}}',
     b'{"t": "round", "round": 2, "env": {"LD_PRELOAD=": "x"}}', b'{"t": "other", "round": 2, "env": {}}',
-    b'{"t": "round", "round": 2}',
+    b'{"t": "round", "round": 2}', b'{"t": "round", "round": 2, "env": {}, "adds_to": 2}',
+    b'{"t": "round", "round": 2, "env": {}, "adds_to": "1"}', b'{"t": "round", "round": 2, "env": {}, "adds_to": -1}',
 ])
 def test_a_malformed_message_is_ignored_not_raised(line):
     assert decode(line) is None
@@ -106,6 +109,63 @@ def test_a_step_that_fails_when_the_world_changed_raises_world_changed(pipe):
             os.write(w, encode(NewRound(3, {})))  # the agent's new round comes while the step fails
             raise RuntimeError("peer gone")
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_a_join_waits_for_the_step_the_ranks_agreed_on(pipe):
+    r, w = pipe
+    rt = _in_place(r, timeout=30)
+    os.write(w, encode(NewRound(2, {"RANK": "0"}, adds_to=1)))
+    assert rt.world_changed() and rt.join_waiting()
+    with pytest.raises(WorldChanged, match="at a step boundary"):  # a loop that does not agree: at once
+        with rt.step():
+            raise AssertionError("the step ran although a new round was waiting")
+    ran = []
+    with rt.step(agreed_joins=True):  # the step runs, and its waits do not leave for the join
+        assert rt._gone() is None
+        ran.append(1)
+    assert ran == [1]
+    with rt.step(agreed_joins=True):  # still nobody agreed: the next step runs too
+        rt.join_after_step()  # the step's sum said a rank saw the join
+    with pytest.raises(WorldChanged, match="Round 2 replaced round 1 at a step boundary"):
+        with rt.step(agreed_joins=True):
+            raise AssertionError("the step ran after the ranks agreed to take the join")
+
+
+def test_an_agreed_join_is_taken_even_before_this_rank_heard_of_it(pipe):
+    r, w = pipe
+    rt = _in_place(r, timeout=30)
+    assert not rt.join_waiting()
+    rt.join_after_step()  # a peer saw it first; the agent's line is on its way
+    with pytest.raises(WorldChanged, match="replaced round 1 at a step boundary"):
+        with rt.step(agreed_joins=True):
+            raise AssertionError("the step ran after the ranks agreed to take the join")
+
+
+def test_a_round_that_drops_a_member_ends_the_step_even_where_joins_wait(pipe):
+    r, w = pipe
+    rt = _in_place(r, timeout=30)
+    os.write(w, encode(NewRound(2, {}, adds_to=1)))
+    with rt.step(agreed_joins=True):
+        os.write(w, encode(NewRound(3, {})))  # a fault after the join: the newest round wins
+        assert not rt.join_waiting()
+        assert rt._gone() == "Round 3 replaced round 1"
+    with pytest.raises(WorldChanged, match="Round 3 replaced round 1"):
+        with rt.step(agreed_joins=True):
+            raise AssertionError("the step ran although a round without a peer was waiting")
+    stale = _in_place(r, timeout=30)
+    stale._control = ControlChannel(r, after=3)
+    stale.round = 3
+    os.write(w, encode(NewRound(5, {}, adds_to=4)))  # adds to a round this worker never took
+    assert not stale.join_waiting()
+
+
+def test_a_join_is_a_round_with_every_member_and_no_fault_between():
+    a, b, c = (Member(n, "i1", 1) for n in "abc")
+    assert adds_to(4, [a, b], [a, b, c], faults_between=0) == 4
+    assert adds_to(4, [a, b], [a, c], faults_between=0) is None  # b drained
+    assert adds_to(4, [a, b], [a, b, c], faults_between=1) is None  # a fault between: a peer was lost
+    assert adds_to(4, [a, b], [a, Member("b", "i2", 1), c], faults_between=0) is None  # b came back anew
+    assert adds_to(4, [], [a], faults_between=0) is None
 
 
 def test_outside_in_place_a_step_only_runs_it():

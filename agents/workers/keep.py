@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol, Sequence
 
-from ftrt.records import NodeRecord
+from ftrt.records import Member, NodeRecord
 
 
 class Kept(Protocol):
@@ -49,3 +49,14 @@ def job_runs_in_place(records: Iterable[NodeRecord], node_id: str) -> bool:
     of the job, not leaving or finished, said so in its record. Every node runs the same script, so
     one says it for all; the joining node then starts its workers before it is admitted."""
     return any(r.in_place and r.node_id != node_id and not r.leaving and not r.done_round for r in records)
+
+
+def adds_to(old_round: int, old: Sequence[Member], new: Sequence[Member], *, faults_between: int) -> int | None:
+    """``old_round`` when the next round only adds members to it (a join): no fault between the two
+    (a lost member, a member back with a new incarnation, or a failed worker counts one) and every
+    member of ``old`` in ``new`` (same node, incarnation and number of workers). The workers kept
+    from ``old`` lose no peer then, and may finish their step before they take the new round
+    (:attr:`ftrt.control.NewRound.adds_to`). None otherwise (a drain drops a member)."""
+    if faults_between or not old or not set(old) <= set(new):
+        return None
+    return old_round

@@ -424,14 +424,16 @@ class WorkerPool:
         await _each_or_exit(workers, lambda w: w.said_in_place, timeout)
         return all(w.said_in_place.is_set() and w.exit_code is None for w in workers)
 
-    def hand_round(self, worker: Worker, *, local_rank: int, rank: int, round_no: int, env: dict[str, str]) -> bool:
+    def hand_round(self, worker: Worker, *, local_rank: int, rank: int, round_no: int, env: dict[str, str],
+                   adds_to: int | None = None) -> bool:
         """Hand a running worker that changes rounds in place its next round (:mod:`ftrt.control`);
-        :attr:`Worker.took_round` is set once it acknowledged. False if it can no longer hear it."""
+        :attr:`Worker.took_round` is set once it acknowledged. False if it can no longer hear it.
+        ``adds_to``: the round this one only adds members to (:func:`~ftrt.agents.workers.keep.adds_to`)."""
         self._place(worker, local_rank=local_rank, rank=rank, round_no=round_no)
         if not worker.since_round:  # started before its node's admission: this is its first round
             worker.since_round = round_no
         worker.took_round = asyncio.Event()
-        return worker.proc.send_line(encode(NewRound(round_no, env)))
+        return worker.proc.send_line(encode(NewRound(round_no, env, adds_to)))
 
     def _place(self, worker: Worker, *, local_rank: int, rank: int, round_no: int) -> None:
         """Give ``worker`` its rank in round ``round_no``: its fields, and where its output goes."""

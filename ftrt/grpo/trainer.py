@@ -279,7 +279,9 @@ def _loop(run: _Run, rnd: _Round, rewards: list[float]) -> tuple[bool, _Round]:
         if _diag.holds_at("round_change", step):  # tests: a join surely lands mid-run
             _wait_for_round_change(run, step)
         try:
-            with run.rt.step():
+            # A join waits for this step's end (agreed on in its sums), but for the job's last step's: the
+            # final save must be the new round's (a commit of the old one's is fenced off once it is written).
+            with run.rt.step(agreed_joins=step + 1 < cfg.steps):
                 done = _train_step(run, rnd, step, step_s)
                 step_s = done.step_s
                 rewards.append(done.reward_mean)
@@ -557,10 +559,14 @@ def _train_step(run: _Run, rnd: _Round, step: int, last_step_s: float) -> _Step:
     leaves = rt.in_place and asked and not rt.round_end_durable()
     if rt.in_place and not durable_here:
         ending_here = False
+    # A join (a round that only adds ranks) is taken after the step in which a rank saw it: every
+    # rank reads the same sum, so all take it at the same step's start and nothing is trained again.
     sums = _all_reduce(run, rnd, torch.tensor([float(batch.rewards.sum()), loss_value, kl_sum, float(ending_here),
-                                               float(durable_here), *rnd.cadence.report(last_step_s)],
-                                              dtype=torch.float64))
-    reward_sum, loss_total, kl_total, ending, durable, *agreed = sums.tolist()
+                                               float(durable_here), float(step + 1 < cfg.steps and rt.join_waiting()),
+                                               *rnd.cadence.report(last_step_s)], dtype=torch.float64))
+    reward_sum, loss_total, kl_total, ending, durable, joining, *agreed = sums.tolist()
+    if joining > 0:
+        rt.join_after_step()
     grad_norm = _apply(run, rnd)  # no collective from here to the counters
     tr.update(step=step + 1, frontier=frontier + cfg.prompts_per_step, tokens=tr["tokens"] + int(total_tokens))
     run.holds = True

@@ -234,14 +234,16 @@ def test_a_node_lost_in_the_gradient_all_reduce_leaves_the_survivor_s_gradients_
 
 def test_a_node_that_joins_while_a_step_s_gradients_are_out_loses_and_repeats_nothing(tmp_path, etcd_endpoint, job_id):
     """a and b train at world size 2; a holds right before step 10's gradient all-reduce until the
-    round changes (b waits in that all-reduce meanwhile), and c joins then. The join's round ends
-    the step in flight where a rank still waits in it (then it is trained again at world size 3, on
-    the gradients the ranks kept), or the ranks finish it first: either way every step and prompt
-    is trained once, no step is counted twice and no worker restarts."""
+    round changes (b waits in that all-reduce meanwhile), and c joins then. The join's round adds a
+    rank and loses none, so the step in flight is finished at world size 2, with the ranks agreeing
+    in its sums to take the join after it; step 11 is the first at world size 3. Every step and
+    prompt is trained once, none is trained again and no worker restarts."""
     args = job(tmp_path, "run", etcd_endpoint, job_id, "2:3", 1)
     nodes, run = join_after_6_steps(tmp_path, args, {"a": {"FTRT_DIAG_HOLD": "grad_reduce:10"}, "b": {}}, "c", STEPS)
     worlds = [x["world_size"] for x in run]
-    assert worlds[:10] == [2] * 10 and worlds[-1] == 3 and worlds == sorted(worlds), worlds
+    assert worlds[:11] == [2] * 11 and worlds[-1] == 3 and worlds == sorted(worlds), worlds
     assert run[-1]["redone"] == 0 and run[-1]["resumes"] == 0, run[-1]
+    assert not any("salvaged_prompts" in x for x in run), [x["step"] for x in run if "salvaged_prompts" in x]
     log = nodes["a"].log() + nodes["b"].log()
-    assert "kept in place at step" in log and "resumed at step" not in log, log[-3000:]
+    assert "kept in place at step 11" in log and "resumed at step" not in log, log[-3000:]
+    assert "during a step" not in log, log[-3000:]  # no collective of the old round was left
