@@ -49,6 +49,7 @@ from ftrt.agents.workers.keep import adds_to, job_runs_in_place
 from ftrt.agents.workers.warmup import change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, WorkerFailure
+from ftrt.privatefiles import private_dir
 from ftrt.roster import LocalRound, NotLoaded
 from ftrt.store.api import Store
 
@@ -205,7 +206,7 @@ class Agent:
             node_id=self.cfg.node_id, local_rank=local_rank, local_world_size=self.cfg.nproc_per_node,
             job_id=self.cfg.job_id,
             max_restarts=self.cfg.max_restarts, agent_addr=p.agent_addr, etcd=p.endpoints,
-            etcd_access=self.cfg.etcd_access, mtbf=self.cfg.mtbf, checkpoint_key_file=self.cfg.checkpoint_key_file,
+            etcd_access=p.etcd_access, mtbf=self.cfg.mtbf, checkpoint_key_file=self.cfg.checkpoint_key_file,
             nccl_async_error_handling=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             recovery=self.cfg.recovery, reconfigure_timeout=self.cfg.reconfigure_timeout,
             min_nodes=self.cfg.min_nodes,
@@ -573,8 +574,7 @@ class Agent:
         previous = self._last_started
         joined = (adds_to(previous.round, previous.members, rnd.members, faults_between=rnd.faults - previous.faults)
                   if previous is not None and previous.complete and rnd.complete else None)  # kept: may finish a step
-        errors = Path(p.mem_dir) / "errors" / f"round-{rnd.round}"
-        errors.mkdir(parents=True, exist_ok=True)
+        errors = private_dir(Path(p.mem_dir) / "errors" / f"round-{rnd.round}")
         spares = iter(fresh)
         for local_rank in range(self.cfg.nproc_per_node):
             env = worker_env(rnd, master_addr=master_addr, master_port=master_port,

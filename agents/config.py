@@ -37,6 +37,10 @@ class LaunchConfig(BaseModel):
         description="TLS files and user for etcd (--etcd-cacert/--etcd-cert/--etcd-key/--etcd-user); "
         "the agent's workers get the same through the environment.",
     )
+    insecure_etcd: bool = Field(
+        DEFAULTS["insecure_etcd"], description="Run on an etcd that admits anyone (no client certificate, no user) "
+        "without the warning that anyone who reaches it can join the job."
+    )
     job_id: str = Field(DEFAULTS["job_id"], description="Job id; every agent of a job uses the same one.")
     min_nodes: int = Field(
         DEFAULTS["min_nodes"], ge=1, description="Fewest nodes the job runs with (--nnodes MIN)."
@@ -220,7 +224,7 @@ class LaunchConfig(BaseModel):
         if not self.standalone and not self.etcd:
             raise ValueError("pass --etcd HOST:PORT[,HOST:PORT...] or --standalone")
         if self.standalone and self.etcd_access.secured:
-            raise ValueError("--standalone starts a local etcd without TLS or users; the --etcd-* access "
+            raise ValueError("--standalone starts a local etcd with credentials of its own; the --etcd-* access "
                              "flags are for a given --etcd")
         if self.checkpoint_key_file is not None:
             from ftrt.checkpoint.signing import load_key

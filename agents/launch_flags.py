@@ -125,6 +125,8 @@ FLAGS: tuple[Flag | FlagGroup, ...] = (
          action="store_true"),
     Flag("etcd", ("--etcd", "--rdzv-endpoint", "--rdzv_endpoint"), None, "etcd endpoints of the job",
          metavar="HOST:PORT[,...]"),
+    Flag("insecure_etcd", ("--insecure-etcd",), False, "run on an etcd that admits anyone, without the warning "
+         "(anyone who reaches it can join the job)", action="store_true"),
     Flag("job_id", ("--job-id", "--rdzv-id", "--rdzv_id", "--run-id"), "default",
          "job id shared by all agents of the job (default: {default!r})"),
     Flag("nnodes", ("--nnodes",), "1", "N or MIN:MAX nodes (default {default})", to_config=_nnodes),

@@ -15,6 +15,7 @@ import logging
 import shutil
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc.aio
 
@@ -40,7 +41,9 @@ from ftrt.errors import StoreError, StoreUnavailable
 from ftrt.jobkeys import JobKeys
 from ftrt.roster import NotLoaded
 from ftrt.roundendfile import RoundEndWriter
+from ftrt.store.access import EtcdAccess
 from ftrt.store.api import Store
+from ftrt.store.certs import tls_dir
 from ftrt.store.etcd import EtcdStore, parse_endpoints
 from ftrt.store.etcd_server import EtcdServer
 
@@ -91,6 +94,8 @@ class AgentParts:
     log: logging.LoggerAdapter
     host: str
     endpoints: str
+    etcd_access: EtcdAccess
+    """How this agent and its workers reach etcd: ``--etcd-*``, or the standalone etcd's own."""
     agent_addr: str
     store: Store
     fence: FenceWriter
@@ -126,15 +131,21 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
     stack.callback(early.round_end.close)
     stack.callback(early.fence.close)
     host = cfg.host or ("127.0.0.1" if cfg.standalone else detect_host(cfg.etcd or ""))
-    endpoints = cfg.etcd or ""
-    if cfg.standalone:
-        etcd = EtcdServer(name=f"ftrt-{cfg.job_id}", unsafe_no_fsync=True)
+    endpoints, access = cfg.etcd or "", cfg.etcd_access
+    if cfg.standalone:  # closed as ftrt etcd is: only this agent and its workers hold the certificate
+        tls = await asyncio.to_thread(tls_dir, Path(early.run_dir) / "etcd-tls", ("ftrt",))
+        etcd = EtcdServer(name=f"ftrt-{cfg.job_id}", unsafe_no_fsync=True, tls=tls)
         stack.push_async_callback(asyncio.to_thread, etcd.stop)
         await asyncio.to_thread(etcd.start)
-        endpoints = etcd.endpoint
-        alog.info("standalone: embedded etcd on %s", endpoints)
+        endpoints, access = etcd.endpoint, etcd.access()
+        alog.info("standalone: embedded etcd on %s (TLS, client certificates)", endpoints)
+    elif not access.identifies and not cfg.insecure_etcd:
+        alog.warning("etcd at %s: this agent shows it no client certificate and no user, so nothing tells etcd to "
+                     "refuse anyone: anyone who can reach it can read the job's token and join or rewrite the job. "
+                     "Use the etcd ftrt etcd starts (closed by default), secure yours (docs/security.md), or pass "
+                     "--insecure-etcd to run open knowingly.", endpoints)
     if store is None:
-        store = EtcdStore(endpoints, timeout=3.0, access=cfg.etcd_access)
+        store = EtcdStore(endpoints, timeout=3.0, access=access)
     stack.push_async_callback(store.close)
     try:
         await store.get(keys.root, timeout=5.0)
@@ -193,7 +204,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
     if template is not None:
         pool.adopt_template(*template)
     pool.fill_spares()
-    monitor = PeerMonitor(cfg.node_id, _peer_death_handler(rdzv, store, metrics, events, alog),
+    monitor = PeerMonitor(cfg.node_id, token, _peer_death_handler(rdzv, store, metrics, events, alog),
                           cfg.peer_check_interval, channels)
     stack.push_async_callback(monitor.close)
     if cfg.metrics_port is not None:
@@ -204,7 +215,8 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
         stack.callback(metrics_server.shutdown)
         alog.info("Prometheus metrics on http://%s:%d/metrics", host, mport)
     return AgentParts(
-        cfg=cfg, keys=keys, node=node, log=alog, host=host, endpoints=endpoints, agent_addr=agent_addr,
+        cfg=cfg, keys=keys, node=node, log=alog, host=host, endpoints=endpoints, etcd_access=access,
+        agent_addr=agent_addr,
         store=store, fence=early.fence, round_end=early.round_end, mem_dir=early.mem_dir, token=token,
         metrics=metrics, events=events, replicator=replicator, inbox=inbox, pool=pool, membership=membership,
         rdzv=rdzv, monitor=monitor, channels=channels, probes=probes,

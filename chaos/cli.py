@@ -37,9 +37,9 @@ def chaos_main(argv: list[str]) -> int:
     storm.add_argument("--netns", action="store_true", help="nodes in their own network namespaces "
                        "(root; needed for partition_node)")
     storm.add_argument("--s3", action="store_true", help="checkpoints on S3 via moto (needed for storage_*)")
-    storm.add_argument("--etcd-security", choices=("none", "tls", "tls+auth"), default="none",
-                       help="etcd over TLS with client certificates, and with tls+auth also a user and password "
-                            "(default none)")
+    storm.add_argument("--etcd-security", choices=("none", "tls", "tls+auth"), default="tls",
+                       help="etcd over TLS with client certificates (the default), and with tls+auth also a user "
+                            "and password; none: plaintext, open to anyone who reaches it")
     storm.add_argument("--agent-tls", action="store_true", help="mutual TLS between agents")
     storm.add_argument("--rollout-servers", type=int, default=0, help="rollout servers: the job samples through "
                        "a fleet (needed for kill_rollout, freeze_rollout, add_rollout; default 0)")

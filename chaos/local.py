@@ -26,6 +26,7 @@ from ftrt.procs import descendants  # noqa: F401 - re-exported for the tests' ha
 
 if TYPE_CHECKING:
     from ftrt.agents.config import LaunchConfig
+    from ftrt.auth import JobToken
     from ftrt.v1.agent_pb2 import StatusResponse
 
 
@@ -178,6 +179,8 @@ class AgentLink:
         self.node = node
         self.addr: str | None = None
         """``host:port`` of the agent's gRPC service, once found (the agent keeps it for its life)."""
+        self.token: "JobToken | None" = None
+        """The job's token, read from etcd with the address (``Status`` answers only the job's own)."""
         self._config: LaunchConfig | None = None
         self._looked_up = -math.inf
 
@@ -201,6 +204,7 @@ class AgentLink:
         than :attr:`LOOKUP_EVERY_S` ago."""
         if self.addr is not None or not (again or self.lookup_due):
             return self.addr
+        from ftrt.auth import read_token
         from ftrt.jobkeys import JobKeys
         from ftrt.records import NodeRecord, decode
         from ftrt.errors import ConfigError, StoreError
@@ -212,14 +216,17 @@ class AgentLink:
                               "Status service in an etcd of its own; give the agents a shared one (--etcd).")
         self._looked_up = time.monotonic()
         store = EtcdStore(cfg.etcd or "", timeout=timeout, access=cfg.etcd_access)
+        keys = JobKeys(cfg.job_id)
         try:
-            kv, _ = await store.get(JobKeys(cfg.job_id).node(self.node.node_id))
+            kv, _ = await store.get(keys.node(self.node.node_id))
+            token = await read_token(store, keys, timeout=timeout) if kv is not None else None
         except StoreError:
             return None
         finally:
             await store.close()
-        if kv is None or not self.node.alive():
+        if kv is None or token is None or not self.node.alive():
             return None
+        self.token = token
         rec = decode(NodeRecord, kv.value)
         if rec.pid in self.node.tree():
             self.addr = rec.agent_addr
@@ -234,7 +241,7 @@ class AgentLink:
         if await self.find(timeout) is None:
             return None
         try:
-            return await status(self.addr, timeout=timeout, tls=self.config.agent_tls)
+            return await status(self.addr, self.token, timeout=timeout, tls=self.config.agent_tls)  # type: ignore[arg-type]
         except grpc.aio.AioRpcError:  # frozen, cut off or gone: no answer
             return None
 

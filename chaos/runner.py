@@ -93,7 +93,7 @@ class ChaosRun:
         from ftrt.store.etcd_server import EtcdCluster, EtcdServer
 
         security = self.sc.cluster.etcd_security
-        tls = tls_dir(self.work / "tls") if security != "none" else None
+        tls = tls_dir(self.work / "tls", hosts=(host,)) if security != "none" else None
         if self.sc.cluster.etcd_members == 3:
             etcd = EtcdCluster(3, host=host, unsafe_no_fsync=True, tls=tls).start()
             member = etcd.members[0]
@@ -120,7 +120,8 @@ class ChaosRun:
         grpo = {**self.sc.job.grpo, "steps": self.sc.steps, "progress": "none", "seed": self.seed,
                 "metrics_path": str(self.work / f"{run}-metrics.jsonl"), **ckpt,
                 **({"rollout.mode": "fleet"} if c.rollout_servers else {})}
-        return ["--etcd", endpoints, *(access.flags() if access else []), *(agent_flags or []), "--job-id", job_id, "--nnodes", f"{c.min_nodes or 1}:{max_nodes}",
+        return ["--etcd", endpoints, *(access.flags() if access else ["--insecure-etcd"]), *(agent_flags or []),
+                "--job-id", job_id, "--nnodes", f"{c.min_nodes or 1}:{max_nodes}",
                 "--nproc-per-node", str(c.workers_per_node), "--lease-ttl", str(c.lease_ttl), "--recovery", c.recovery,
                 "--hang-timeout", str(c.hang_timeout), "--first-round-wait", "5",
                 *(["--mtbf", f"{mtbf:g}"] if (mtbf := self.sc.agent_mtbf()) is not None else []), "-m", "ftrt.grpo",

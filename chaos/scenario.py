@@ -68,9 +68,10 @@ class Cluster(_Strict):
     storage: Literal["local", "s3"] = Field("local", description="where checkpoints go: a local "
                                             "folder, or S3 (moto's server behind a TCP proxy; needed by storage_*)")
     etcd_security: Literal["none", "tls", "tls+auth"] = Field(
-        "none", description="etcd serves clients over TLS with client certificates (a CA made for the run), "
-        "and with tls+auth also requires a user and password; the agents get --etcd https://... and the "
-        "--etcd-* access flags, as on a production cluster")
+        "tls", description="etcd serves clients over TLS with client certificates (a CA made for the run; the "
+        "default, closed as ftrt etcd is), and with tls+auth also requires a user and password; the agents get "
+        "--etcd https://... and the --etcd-* access flags, as on a production cluster. none: plaintext, open "
+        "to anyone who reaches it")
     agent_tls: bool = Field(False, description="agents speak mutual TLS to each other (--tls-cert/--tls-key/--tls-ca, "
                             "certificates made for the run)")
     recovery: Literal["in-place", "restart"] = Field(
@@ -177,9 +178,9 @@ class Scenario(_Strict):
                 raise ValueError(f"faults.{i}.at_step {f.at_step} is not before the last step ({self.steps - 1})")
         if self.cluster.rollout_servers and "rollout.mode" in self.job.grpo:
             raise ValueError("job.grpo.rollout.mode is set by cluster.rollout_servers (fleet when > 0); leave it out")
-        if self.cluster.netns and (self.cluster.etcd_security != "none" or self.cluster.agent_tls):
-            raise ValueError("cluster.etcd_security and cluster.agent_tls need loopback nodes: the run's "
-                             "certificates name loopback addresses only, so they cannot go with cluster.netns")
+        if self.cluster.netns and self.cluster.agent_tls:
+            raise ValueError("cluster.agent_tls needs loopback nodes: the agents' certificate names loopback "
+                             "addresses only, so it cannot go with cluster.netns")
         if self.storm is not None:
             for kind in self.storm.kinds:
                 if kind not in STORM_KINDS:

@@ -2,6 +2,9 @@
 
 A directory holds ``slot-0.bin``/``slot-1.bin`` and up to two indexes: ``current.json`` (the
 newest complete checkpoint) and ``previous.json`` (the one before, valid until its slot is reused).
+The memory tier holds the job's weights and optimizer state on the host's shared memory, so its
+folders are 0700 and its files 0600 (:mod:`ftrt.privatefiles`): another local user can neither
+read a checkpoint nor plant one.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+from ftrt.privatefiles import private_file
 
 def current_slot(directory: Path) -> int | None:
     try:
@@ -62,5 +66,6 @@ def publish_index(directory: Path, index: dict) -> None:
     if current.exists():
         os.replace(current, directory / "previous.json")
     tmp = directory / "current.json.tmp"
-    tmp.write_text(json.dumps(index))
+    with private_file(tmp) as f:
+        f.write(json.dumps(index).encode())
     os.replace(tmp, current)

@@ -34,6 +34,7 @@ import torch
 
 from ftrt.checkpoint import skeleton as skel
 from ftrt.checkpoint.memfiles import index_slots, publish_index, withdraw
+from ftrt.privatefiles import private_dir, private_file
 from ftrt.checkpoint.memindex import ITEMSIZE, BadIndex, IndexEntry, MemIndex, check_index
 from ftrt.checkpoint.staging import _is_dtensor
 
@@ -111,8 +112,7 @@ class Arena:
     """One rank's double-buffered arena in a node's memory directory."""
 
     def __init__(self, mem_dir: str, rank: int) -> None:
-        self.dir = Path(mem_dir) / "own" / f"rank-{rank}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_dir(Path(mem_dir) / "own" / f"rank-{rank}")
         self.rank = rank
         self._maps: dict[int, torch.Tensor] = {}
         self._sizes: dict[int, int] = {}
@@ -134,7 +134,7 @@ class Arena:
         self._indexes = {name: held for name, held in self._indexes.items() if held != slot}
         if self._sizes.get(slot) != size:
             path = self.dir / f"slot-{slot}.bin"
-            with open(path, "wb") as f:
+            with private_file(path) as f:
                 f.truncate(size)
             self._maps[slot] = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
             self._sizes[slot] = size

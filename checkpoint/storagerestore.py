@@ -15,6 +15,8 @@ import logging
 import threading
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from ftrt import _diag
 from ftrt.checkpoint import manifest as mf
 from ftrt.checkpoint import state as st
@@ -83,7 +85,7 @@ class StorageRestore:
         pointer, None for no limit) into ``state``; return its step. Collective.
 
         Returns None when storage holds no checkpoint; raises :class:`CheckpointUnavailable` when
-        storage cannot be listed, and :class:`CheckpointCorrupt` when checkpoints exist but none
+        storage cannot be listed or fails while a verified checkpoint is read, and :class:`CheckpointCorrupt` when checkpoints exist but none
         verifies (the message lists why each was rejected).
         """
         import torch.distributed.checkpoint as dcp
@@ -108,8 +110,15 @@ class StorageRestore:
                 rejected.append(f"step {step}: {reason}")
                 continue
             target = st.to_dcp(state)
-            dcp.load(target, storage_reader=dcp_reader(self._loc, folder), process_group=self._group.pg,
-                     no_dist=not self._group.distributed)
+            try:
+                dcp.load(target, storage_reader=dcp_reader(self._loc, folder), process_group=self._group.pg,
+                         no_dist=not self._group.distributed)
+            except (Exception, CheckpointException) as exc:  # DCP's, wrapping every rank's, is a BaseException
+                raise CheckpointUnavailable(
+                    f"Cannot restore: loading checkpoint step {step} from {self._loc.url} failed after it verified "
+                    f"({brief(exc)}): the storage failed while it was read, or the checkpoint does not fit this "
+                    f"state (another model or optimizer). The state may be half loaded, so this process must not "
+                    f"train on; the checkpoint is untouched.") from exc
             st.apply(state, target)
             log.info("restored checkpoint step %d from %s", step, self._loc.url)
             return step

@@ -1,18 +1,19 @@
-"""Who may change a job's state over gRPC: a caller that shows the job's token.
+"""Who may call a job's agents over gRPC: a caller that shows the job's token.
 
 The one owner of the job token, shared by the agents' service and the rollout servers. Every agent
-RPC that writes (today ``PutReplica``) requires the job's credentials, as do a rollout server's
-pushes and generation; the read-only
-ones (``Health``, ``Status``, ``Liveness``) answer anyone who reaches the port, since ``ftrt
-status`` and peers' death detection need nothing else. The token is 32 random bytes that the
-first agent of a job creates in etcd (an atomic create-if-absent, so concurrent first agents
-agree) and every agent reads when it joins. It is exactly as secret as the job's etcd keys:
-whoever can read etcd can act as an agent of the job (docs/security.md). Callers send it as gRPC
-metadata ``authorization: Bearer <token>``; the service compares in constant time and answers
-UNAUTHENTICATED, having changed nothing, to a caller without it.
+RPC that writes (``PutReplica``) or tells about the job (``Status``: its nodes, workers' pids and
+steps; ``Liveness``: the beats a peer's death detection follows) requires the job's credentials,
+as do a rollout server's pushes and generation. Only ``Health`` answers anyone who reaches the
+port, for probes (a load balancer's, Kubernetes'). ``ftrt status`` reads the token from etcd
+with the credentials it reads the job's keys with. The token is 32 random bytes that the first
+agent of a job creates in etcd (an atomic create-if-absent, so concurrent first agents agree)
+and every agent reads when it joins. It is exactly as secret as the job's etcd keys: whoever can
+read etcd can act as an agent of the job (docs/security.md). Callers send it as gRPC metadata
+``authorization: Bearer <token>``; the service compares in constant time and answers
+UNAUTHENTICATED, having told and changed nothing, to a caller without it.
 
-:data:`WRITES` lists the RPCs that need it; a test holds the service to that list, so an RPC
-added later is either listed here or shown to be read-only.
+:data:`GUARDED` lists the RPCs that need it and :data:`OPEN` the others; a test holds the service
+to these lists, so an RPC added later is classified on purpose.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from ftrt.errors import StoreError
 from ftrt.store.api import Compare, Get, Put, Store
 
 METADATA_KEY = "authorization"
-WRITES = frozenset({"PutReplica"})
-"""The agent RPCs that change state and so require the job's token."""
-READS = frozenset({"Health", "Status", "Liveness"})
-"""The agent RPCs open to any caller (they change nothing)."""
+GUARDED = frozenset({"PutReplica", "Status", "Liveness"})
+"""The agent RPCs that require the job's token: those that change state, and those that tell about
+the job or feed a peer's death detection."""
+OPEN = frozenset({"Health"})
+"""The agent RPCs open to any caller: a probe's (job, node, round, state, uptime)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,13 @@ async def require_token(token: JobToken, context, message: str) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
 
+async def read_token(store: Store, keys: JobKeys, *, timeout: float = 5.0) -> JobToken | None:
+    """The job's token as its agents created it in etcd, or None when no agent has started yet
+    (for callers that are not agents: ``ftrt status``, the chaos suite)."""
+    kv, _ = await store.get(keys.token, timeout=timeout)
+    return JobToken(kv.value.decode()) if kv is not None else None
+
+
 async def job_token(store: Store, keys: JobKeys, *, timeout: float = 5.0) -> JobToken:
     """The job's token: created in etcd if this is the first agent to ask, else the one there."""
     fresh = secrets.token_hex(32).encode()
@@ -70,4 +79,4 @@ async def job_token(store: Store, keys: JobKeys, *, timeout: float = 5.0) -> Job
     return JobToken(found[0].value.decode())
 
 
-__all__ = ["JobToken", "METADATA_KEY", "READS", "WRITES", "job_token", "require_token"]
+__all__ = ["GUARDED", "JobToken", "METADATA_KEY", "OPEN", "job_token", "read_token", "require_token"]

@@ -32,6 +32,16 @@ def _say(msg: str) -> None:
 _lines = read_jsonl
 
 
+def _closed_etcd(out: Path) -> tuple[EtcdServer, list[str]]:
+    """The demo's etcd, closed as ``ftrt etcd`` is (TLS, client certificates from a CA made in a
+    private folder of ``out``), and the ``--etcd*`` flags its clients need."""
+    from ftrt.store.certs import tls_dir
+
+    etcd = EtcdServer(name="ftrt-demo", unsafe_no_fsync=True, log_path=str(out / "etcd.log"),
+                      tls=tls_dir(out / "etcd-tls", ("ftrt",))).start()
+    return etcd, ["--etcd", etcd.url, *etcd.access().flags()]
+
+
 def _restore_tier(agents, world: int) -> str | None:
     """Where the trainer says it restored from at world size ``world`` (its log line), if it did."""
     import re
@@ -58,10 +68,10 @@ def run_demo(out: Path, *, nodes: int = 3, steps: int = 150, kill_at: int | None
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     started = time.time()
-    etcd = EtcdServer(name="ftrt-demo", unsafe_no_fsync=True, log_path=str(out / "etcd.log")).start()
-    _say(f"embedded etcd on {etcd.endpoint}; starting {nodes} agents (nodes), one GRPO worker each")
+    etcd, etcd_flags = _closed_etcd(out)
+    _say(f"embedded etcd on {etcd.url}; starting {nodes} agents (nodes), one GRPO worker each")
     launch = [
-        "--etcd", etcd.endpoint, "--job-id", "demo", "--nnodes", f"2:{nodes}", "--lease-ttl", "2",
+        *etcd_flags, "--job-id", "demo", "--nnodes", f"2:{nodes}", "--lease-ttl", "2",
         "--first-round-wait", "10", "-m", "ftrt.grpo", f"steps={steps}", "prompts_per_step=30",
         f"metrics_path={metrics}", f"checkpoint.url={ckpt}", "checkpoint.interval=10",
         "checkpoint.memory_interval=1", "progress=none",
@@ -153,17 +163,17 @@ def run_fleet_demo(out: Path, *, nodes: int = 3, steps: int = 150, timeout: floa
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     started = time.time()
-    etcd = EtcdServer(name="ftrt-demo", unsafe_no_fsync=True, log_path=str(out / "etcd.log")).start()
-    fleet = RolloutServers(out, "demo", etcd.endpoint, "demo", "127.0.0.1", 2.0, [])
+    etcd, etcd_flags = _closed_etcd(out)
+    fleet = RolloutServers(out, "demo", etcd.url, "demo", "127.0.0.1", 2.0, etcd_flags[2:])
     agents: dict[str, LocalNode] = {}
     launch = [
-        "--etcd", etcd.endpoint, "--job-id", "demo", "--nnodes", f"{nodes}", "--lease-ttl", "2",
+        *etcd_flags, "--job-id", "demo", "--nnodes", f"{nodes}", "--lease-ttl", "2",
         "--first-round-wait", "10", "-m", "ftrt.grpo", f"steps={steps}", "prompts_per_step=30",
         f"metrics_path={metrics}", "checkpoint.url=null", "rollout.mode=fleet", "progress=none",
     ]
     events: list[tuple[float, str]] = []
     try:
-        _say(f"embedded etcd on {etcd.endpoint}; starting 2 rollout servers and {nodes} agents (nodes), one GRPO "
+        _say(f"embedded etcd on {etcd.url}; starting 2 rollout servers and {nodes} agents (nodes), one GRPO "
              "worker each, sampling through the fleet")
         for i in range(2):
             fleet.start(f"rollout{i}")

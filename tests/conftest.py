@@ -10,6 +10,23 @@ import pytest
 from ftrt.store.etcd_server import EtcdCluster, EtcdServer
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_state_dir(tmp_path_factory):
+    """ftrt's per-user state (the credentials ``ftrt etcd`` leaves for its endpoints) in a folder of
+    the session's, for the tests and every process they start: a test never reads or writes the
+    user's own, and an etcd a test started closed on some port never speaks for a plaintext one
+    another test starts on that port later in the user's real folder."""
+    from ftrt import envnames
+
+    before = os.environ.get(envnames.STATE_DIR)
+    os.environ[envnames.STATE_DIR] = str(tmp_path_factory.mktemp("ftrt-state"))
+    yield
+    if before is None:
+        os.environ.pop(envnames.STATE_DIR, None)
+    else:
+        os.environ[envnames.STATE_DIR] = before
+
+
 @pytest.fixture(scope="session")
 def etcd_server():
     """One etcd member for the whole session (1 s lease granularity, no fsync)."""

@@ -15,6 +15,7 @@ import json
 import time
 
 from ftrt.agents.ops.events import recent_events
+from ftrt.auth import JobToken, read_token
 from ftrt.errors import FtrtError
 from ftrt.jobkeys import JobKeys, check_id
 from ftrt.records import DeciderRecord, JobState, NodeRecord, RoundRecord, decode
@@ -53,9 +54,12 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
         ptr_kv, _ = await store.get(keys.ckpt + "latest")
         latest = json.loads(ptr_kv.value) if ptr_kv else None
         rollout = await _rollout_servers(store, keys)
+        token = await read_token(store, keys, timeout=timeout)
     finally:
         await store.close()
-    workers = await _agent_workers([n for n in nodes.values() if rnd and rnd.member(n.node_id)], agent_tls)
+    members = [n for n in nodes.values() if rnd and rnd.member(n.node_id)]
+    workers = await _agent_workers(members, token, agent_tls) if token is not None else {
+        n.node_id: [{"error": "the job has no token in etcd yet: its agents cannot be asked"}] for n in members}
     if job is not None:
         state = job.state
     elif rnd is None:
@@ -94,12 +98,12 @@ async def _rollout_servers(store: EtcdStore, keys: JobKeys) -> list[dict]:
     return out
 
 
-async def _agent_workers(nodes: list[NodeRecord], tls: AgentTls) -> dict[str, list[dict]]:
+async def _agent_workers(nodes: list[NodeRecord], token: JobToken, tls: AgentTls) -> dict[str, list[dict]]:
     from ftrt.agents.peers.service import status
 
     async def one(node: NodeRecord):
         try:
-            resp = await status(node.agent_addr, timeout=1.0, tls=tls)
+            resp = await status(node.agent_addr, token, timeout=1.0, tls=tls)
         except Exception as exc:  # an unreachable agent is part of the answer, not an error
             return node.node_id, [{"error": f"agent unreachable: {type(exc).__name__}"}]
         return node.node_id, [

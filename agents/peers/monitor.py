@@ -19,6 +19,7 @@ import grpc.aio
 
 from ftrt.agents.rendezvous.membership import tcp_refused
 from ftrt.agents.peers.tls import PLAINTEXT, PeerChannels
+from ftrt.auth import JobToken
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,14 @@ class PeerMonitor:
     def __init__(
         self,
         node_id: str,
+        token: JobToken,
         on_dead: Callable[[str, str], Awaitable[None]],
         interval: float = 0.5,
         channels: PeerChannels | None = None,
     ) -> None:
         self.node_id = node_id
+        self.token = token
+        """The job's token: a peer's agent answers ``Liveness`` only to the job's own agents."""
         self.channels = channels if channels is not None else PeerChannels(PLAINTEXT)
         """Where the streams' channels come from (shared with replication, kept across rounds)."""
         self.on_dead = on_dead
@@ -57,11 +61,12 @@ class PeerMonitor:
                 self._tasks[key] = asyncio.create_task(self._follow(*key), name=f"peer-{key[0]}")
 
     async def _follow(self, node_id: str, addr: str) -> None:
-        warned_tls = False
+        warned_tls = warned_token = False
         while True:
             try:
                 stub = agent_pb2_grpc.AgentServiceStub(self.channels.get(addr))
-                call = stub.Liveness(agent_pb2.LivenessRequest(from_node_id=self.node_id, interval_s=self.interval))
+                call = stub.Liveness(agent_pb2.LivenessRequest(from_node_id=self.node_id, interval_s=self.interval),
+                                     metadata=self.token.metadata())
                 async for _ in call:
                     pass
             except grpc.aio.AioRpcError as exc:
@@ -69,6 +74,11 @@ class PeerMonitor:
                     warned_tls = True  # death is then seen only when the lease expires: say why, once
                     log.warning("the TLS handshake with %s's agent at %s failed (%s); check that its certificate "
                                 "names that address and that both use the job's CA", node_id, addr, exc.details())
+                elif exc.code() == grpc.StatusCode.UNAUTHENTICATED and not warned_token:
+                    warned_token = True
+                    log.warning("%s's agent at %s refused this agent's liveness stream (%s); is it an agent of "
+                                "another job? Its death is seen only when its lease expires", node_id, addr,
+                                exc.details())
                 log.debug("liveness stream to %s broke: %s", node_id, exc.code().name)
             if await tcp_refused(addr):
                 await self.on_dead(node_id, f"its agent at {addr} refuses connections")

@@ -35,6 +35,7 @@ import grpc.aio
 
 from ftrt.auth import JobToken
 from ftrt.jobkeys import check_id
+from ftrt.privatefiles import private_dir, private_file
 from ftrt.agents.peers.tls import PLAINTEXT, PeerChannels
 from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
 from ftrt.checkpoint.memindex import check_index
@@ -61,7 +62,7 @@ def make_mem_dir() -> str:
         if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(stale, ignore_errors=True)
     path = os.path.join(root, f"ftrt-mem-{os.getpid()}-{time.monotonic_ns() % 100000}")
-    os.makedirs(path, exist_ok=True)
+    private_dir(path)  # the job's weights: no other local user reads or plants them
     return path
 
 
@@ -355,12 +356,12 @@ async def receive_replica(mem_dir: str, request_iterator) -> agent_pb2.ReplicaAc
             if header is None:
                 header = chunk
                 directory, index = replica_dir(mem_dir, chunk)
-                directory.mkdir(parents=True, exist_ok=True)
+                private_dir(directory)
                 now = current_slot(directory)
                 slot = 0 if now is None else 1 - now
                 invalidate_slot(directory, slot)
                 path = directory / f"slot-{slot}.bin"
-                f = open(path, "wb")
+                f = private_file(path)
             if claimed is not None:
                 raise ValueError(f"the replica of rank {header.rank} step {header.step} went on after its checksum")
             if chunk.data:

@@ -64,15 +64,16 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             uptime_s=time.monotonic() - self.started,
         )
 
-    async def _authorize(self, context) -> None:
-        """Abort the call with UNAUTHENTICATED unless it shows the job's token (:mod:`.auth`)."""
-        await require_token(self.token, context, "This call changes the agent's state and needs the job's token, "
-                            "which it did not show; only the job's own agents hold it.")
+    async def _authorize(self, context, what: str) -> None:
+        """Abort the call with UNAUTHENTICATED unless it shows the job's token (:mod:`ftrt.auth`)."""
+        await require_token(self.token, context, f"This call {what} and needs the job's token, which it did not "
+                            "show; the job's agents hold it, and ftrt status reads it from the job's etcd.")
 
     async def Health(self, request, context):
         return self._health(self.source.status())
 
     async def Status(self, request, context):
+        await self._authorize(context, "tells about the job's nodes and workers")
         st = self.source.status()
         rnd = st.current
         now = time.monotonic()
@@ -95,6 +96,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         )
 
     async def Liveness(self, request, context):
+        await self._authorize(context, "feeds a peer's death detection")
         interval = min(max(request.interval_s or 0.5, 0.05), 10.0)
         while True:
             st = self.source.status()
@@ -105,7 +107,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def PutReplica(self, request_iterator, context):
         from ftrt.agents.peers.replicator import receive_replica
 
-        await self._authorize(context)
+        await self._authorize(context, "stores a memory checkpoint on this node")
         try:
             return await receive_replica(self.mem_dir, request_iterator)
         except ValueError as exc:  # a bad name, index or size from the wire: nothing was stored
@@ -143,8 +145,9 @@ async def health(addr: str, timeout: float = 1.0, tls: AgentTls = PLAINTEXT) -> 
         return await stub.Health(agent_pb2.HealthRequest(), timeout=timeout)
 
 
-async def status(addr: str, timeout: float = 1.0, tls: AgentTls = PLAINTEXT) -> agent_pb2.StatusResponse:
-    """Ask the agent at ``addr`` for its status."""
+async def status(addr: str, token: JobToken, timeout: float = 1.0,
+                 tls: AgentTls = PLAINTEXT) -> agent_pb2.StatusResponse:
+    """Ask the agent at ``addr`` for its status, showing the job's ``token``."""
     async with tls.channel(addr) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
-        return await stub.Status(agent_pb2.StatusRequest(), timeout=timeout)
+        return await stub.Status(agent_pb2.StatusRequest(), timeout=timeout, metadata=token.metadata())

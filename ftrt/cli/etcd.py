@@ -3,10 +3,13 @@
 For trying a multi-node job on one machine: start ``ftrt etcd --port 2379`` in one terminal, then
 ``ftrt launch --etcd 127.0.0.1:2379 --node-id n0 ...`` in others.
 
-``--tls DIR`` serves clients over TLS and requires client certificates, with a CA and
-certificates made in DIR if it has none (:mod:`ftrt.store.certs`); ``--auth-user NAME`` also
-turns etcd's auth on, with NAME allowed to read and write ``/ftrt/``. The command prints the
-``--etcd*`` flags an agent then needs.
+Closed by default: etcd serves clients over TLS and requires a client certificate signed by a CA
+made for it in this user's state directory (:mod:`ftrt.store.localetcd`), which ftrt's commands on
+this host find by the endpoint, so they need no flags; a process that cannot read that folder can
+neither read nor write etcd (the job's token is there). ``--tls DIR`` puts the CA and certificates
+in DIR instead (:mod:`ftrt.store.certs`); ``--auth-user NAME`` also turns etcd's auth on, with NAME
+allowed to read and write ``/ftrt/``. ``--insecure`` serves plaintext to anyone who reaches the
+port. The command prints the ``--etcd*`` flags an agent on another host needs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 
 from ftrt.errors import ConfigError
+from ftrt.store import localetcd
 from ftrt.store.access import ENV_PASSWORD
 from ftrt.store.etcd_server import EtcdServer, write_secret
 
@@ -39,7 +43,12 @@ def etcd_main(argv: list[str]) -> int:
                         help=f"turn etcd's auth on with this user (read and write on /ftrt/); its password comes "
                              f"from ${ENV_PASSWORD} or --password-file (root's is written to DIR/root-password)")
     parser.add_argument("--password-file", default=None, metavar="FILE", help="file with --auth-user's password")
+    parser.add_argument("--insecure", action="store_true",
+                        help="serve plaintext without client certificates: anyone who reaches the port can read "
+                             "the job's token and join or rewrite the job (default: closed, see ftrt/store/localetcd.py)")
     args = parser.parse_args(argv)
+    if args.insecure and (args.tls or args.auth_user):
+        raise ConfigError("--insecure serves plaintext to anyone; it cannot go with --tls or --auth-user.")
     if args.auth_user == "root":
         raise ConfigError("--auth-user root: etcd's root user is made for you (its password goes to DIR/root-password); "
                           "name the job's user something else.")
@@ -61,15 +70,19 @@ def etcd_main(argv: list[str]) -> int:
             if not password:
                 raise ConfigError(f"--auth-user {args.auth_user} needs a password: set {ENV_PASSWORD} or pass "
                                   "--password-file FILE.")
-    tls = None
+    server = EtcdServer(
+        name=args.name, data_dir=args.data_dir, host=args.host, client_port=args.port,
+        peer_port=args.peer_port, binary=args.etcd_bin,
+    )  # its free ports are picked here: the default credentials are the endpoint's
     if args.tls:
         from ftrt.store.certs import tls_dir
 
-        tls = tls_dir(args.tls)
-    server = EtcdServer(
-        name=args.name, data_dir=args.data_dir, host=args.host, client_port=args.port,
-        peer_port=args.peer_port, binary=args.etcd_bin, tls=tls,
-    )
+        server.tls = tls_dir(args.tls, hosts=(args.host,))
+    elif args.insecure:
+        localetcd.forget(args.host, server.client_port)  # clients must not try credentials it ignores
+    else:
+        server.tls = localetcd.make(args.host, server.client_port)
+    tls = server.tls
     stop = False
 
     def _stop(*_):
@@ -92,7 +105,15 @@ def etcd_main(argv: list[str]) -> int:
                      f"--etcd-key {tls.client_key()}"]
             if args.auth_user:
                 flags.append(f"--etcd-user {args.auth_user} (password from ${ENV_PASSWORD} or --etcd-password-file)")
-            print("agents connect with: " + " ".join(flags), flush=True)
+            if not args.tls:
+                print(f"closed: clients need the certificate in {tls.directory} (this user's ftrt commands on this "
+                      f"host find it for --etcd {server.endpoint}); agents on other hosts connect with copies: "
+                      + " ".join(flags), flush=True)
+            else:
+                print("agents connect with: " + " ".join(flags), flush=True)
+        else:
+            print("warning: --insecure: anyone who can reach this port can read the job's token and join or rewrite "
+                  "the job.", flush=True)
         while not stop and server.alive():
             time.sleep(0.2)
     except KeyboardInterrupt:

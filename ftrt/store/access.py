@@ -2,8 +2,9 @@
 
 One :class:`EtcdAccess` travels with the endpoints everywhere ftrt talks to etcd (agents,
 ``ftrt status``, the checkpoint pointer in workers, the chaos runner). It comes from the command
-line (:func:`add_arguments`, :func:`from_args`) or, in a worker, from the environment the agent
-gave it (:meth:`EtcdAccess.env`, :func:`from_env`). A password is never on a command line: it
+line (:func:`add_arguments`, :func:`from_args`; without flags, from the files an ``ftrt etcd`` on
+this host left for the endpoint, :mod:`ftrt.store.localetcd`) or, in a worker, from the
+environment the agent gave it (:meth:`EtcdAccess.env`, :func:`from_env`). A password is never on a command line: it
 comes from ``FTRT_ETCD_PASSWORD`` or from a file (``--etcd-password-file``), and a worker gets
 the file's path or inherits the variable, never the password in argv.
 
@@ -67,6 +68,12 @@ class EtcdAccess:
     def secured(self) -> bool:
         """Whether anything differs from plaintext without auth."""
         return self.uses_tls or bool(self.user)
+
+    @property
+    def identifies(self) -> bool:
+        """Whether the client proves who it is (a client certificate or an etcd user): only then can
+        etcd refuse everyone else."""
+        return bool(self.cert or self.user)
 
     def with_tls(self, on: bool) -> "EtcdAccess":
         return self if not on or self.tls else EtcdAccess(**{**self.__dict__, "tls": True})
@@ -172,7 +179,9 @@ def add_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
 
 
 def from_args(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> EtcdAccess:
-    """The access the flags of :func:`add_arguments` give, each flag over its variable; checked."""
+    """The access the flags of :func:`add_arguments` give, each flag over its variable; checked.
+    With none given, the credentials ``ftrt etcd`` left on this host for the endpoint ``--etcd``
+    names, if any (:func:`ftrt.store.localetcd.find`)."""
     base = from_env(environ)
     if not (ns.etcd_user or base.user):
         base = EtcdAccess(**{**base.__dict__, "password": ""})  # a stray variable, for some other tool
@@ -181,5 +190,10 @@ def from_args(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) 
         user=ns.etcd_user or base.user, password_file=ns.etcd_password_file or base.password_file,
         tls=base.tls, password="" if ns.etcd_password_file else base.password,
     )
+    endpoints = getattr(ns, "etcd", None)
+    if not access.secured and endpoints:
+        from ftrt.store import localetcd
+
+        access = localetcd.find(endpoints, environ) or access
     access.check()
     return access

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ftrt.errors import ConfigError
+from ftrt.privatefiles import private_dir, write_private
 
 SERVER_NAMES = ("localhost", "127.0.0.1", "::1")
 """The names the server certificate carries: etcd on loopback, reached by name or address."""
@@ -47,11 +48,11 @@ class TlsFiles:
 
 
 def tls_dir(directory: str | os.PathLike, clients: Sequence[str] = ("ftrt", "root"), *,
-            days: int = 365) -> TlsFiles:
-    """Make a CA, a loopback server certificate and a client certificate for each of ``clients``
-    (its common name, which etcd takes as the user name under client-certificate auth) in
-    ``directory``, keeping whatever is there already. Private keys are readable by the owner
-    only."""
+            days: int = 365, hosts: Sequence[str] = ()) -> TlsFiles:
+    """Make a CA, a server certificate for the loopback names and ``hosts`` and a client
+    certificate for each of ``clients`` (its common name, which etcd takes as the user name under
+    client-certificate auth) in ``directory``, keeping whatever is there already. The folder is
+    private (0700) and so are the keys (0600)."""
     try:
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
@@ -60,7 +61,7 @@ def tls_dir(directory: str | os.PathLike, clients: Sequence[str] = ("ftrt", "roo
     except ImportError as exc:
         raise ConfigError("Making TLS certificates needs the 'cryptography' package: pip install cryptography.") from exc
     files = TlsFiles(Path(directory))
-    files.directory.mkdir(parents=True, exist_ok=True)
+    private_dir(files.directory)
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def name(cn: str) -> x509.Name:
@@ -70,9 +71,7 @@ def tls_dir(directory: str | os.PathLike, clients: Sequence[str] = ("ftrt", "roo
     def write_key(path: Path, key) -> None:
         raw = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
+        write_private(path, raw)
 
     def issue(subject: x509.Name, key, issuer: x509.Name, signer, *, ca: bool = False, sans=(), usage=()):
         b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
@@ -114,7 +113,7 @@ def tls_dir(directory: str | os.PathLike, clients: Sequence[str] = ("ftrt", "roo
             return x509.DNSName(host)
 
     # etcd also uses its server certificate as a client (its gateway, its own health checks).
-    leaf(files.server_cert, files.server_key, "etcd", [san(h) for h in SERVER_NAMES],
+    leaf(files.server_cert, files.server_key, "etcd", [san(h) for h in dict.fromkeys([*SERVER_NAMES, *hosts])],
          [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
     for client in clients:
         leaf(files.client_cert(client), files.client_key(client), client, [], [ExtendedKeyUsageOID.CLIENT_AUTH])

@@ -25,15 +25,13 @@ from typing import Mapping, Sequence
 
 from ftrt import envnames
 from ftrt.errors import ConfigError, FtrtError
+from ftrt.privatefiles import write_private
 from ftrt.store.access import EtcdAccess
 from ftrt.store.certs import TlsFiles
 
 def write_secret(path: Path, text: str) -> None:
     """Write a password file readable by its owner only, from its first byte."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
-    with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
+    write_private(path, (text + "\n").encode())
 
 
 JOB_ROLE = "ftrt"

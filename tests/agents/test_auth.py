@@ -1,4 +1,5 @@
-"""Agent RPCs that change state need the job's token: real etcd, real agents, a rogue gRPC client."""
+"""Agent RPCs that change state or tell about the job need the job's token: real etcd, real agents,
+a rogue gRPC client."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from ftrt.auth import READS, WRITES, JobToken, job_token
+from ftrt.auth import GUARDED, OPEN, JobToken, job_token
 from ftrt.jobkeys import JobKeys
 from ftrt.store.etcd import EtcdStore
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
@@ -21,9 +22,10 @@ from tests.agents.harness import FAST_WARM, Node, kill_at_rest, wait_until
 WORKER = Path(__file__).parents[1] / "checkpoint" / "tier_worker.py"
 
 
-def test_every_agent_rpc_is_either_a_read_or_a_write_that_needs_the_token():
+def test_every_agent_rpc_is_either_open_to_probes_or_needs_the_token():
     methods = {m.name for m in agent_pb2.DESCRIPTOR.services_by_name["AgentService"].methods}
-    assert methods == READS | WRITES and not READS & WRITES, methods  # a new RPC must be classified
+    assert methods == OPEN | GUARDED and not OPEN & GUARDED, methods  # a new RPC must be classified
+    assert OPEN == {"Health"}, OPEN
 
 
 def test_the_first_agent_creates_the_jobs_token_and_every_other_reads_the_same(etcd_endpoint, job_id):
@@ -44,7 +46,7 @@ def test_the_first_agent_creates_the_jobs_token_and_every_other_reads_the_same(e
 
 
 def rogue_calls(addr: str) -> dict[str, grpc.StatusCode]:
-    """Every state-changing RPC, without the token and with a made-up one; the status of each."""
+    """Every RPC that needs the token, without it and with a made-up one; the status of each."""
     index = {"step": 1, "round": 1, "rank": 0, "world": 1, "slot": 0, "size": 64, "entries": [],
              "skeleton": {"dict": []}}
     replica = agent_pb2.ReplicaChunk(source_node="rogue", rank=0, step=1, index_json=json.dumps(index),
@@ -54,15 +56,23 @@ def rogue_calls(addr: str) -> dict[str, grpc.StatusCode]:
         out = {}
         async with grpc.aio.insecure_channel(addr) as channel:
             stub = agent_pb2_grpc.AgentServiceStub(channel)
-            for name, metadata in (("none", ()), ("made-up", JobToken("0" * 64).metadata())):
-                try:
-                    await stub.PutReplica(iter([replica]), metadata=metadata, timeout=5)
-                    out[f"PutReplica/{name}"] = grpc.StatusCode.OK
-                except grpc.aio.AioRpcError as exc:
-                    out[f"PutReplica/{name}"] = exc.code()
+            calls = {
+                "PutReplica": lambda md: stub.PutReplica(iter([replica]), metadata=md, timeout=5),
+                "Status": lambda md: stub.Status(agent_pb2.StatusRequest(), metadata=md, timeout=5),
+                "Liveness": lambda md: anext(aiter(stub.Liveness(agent_pb2.LivenessRequest(from_node_id="rogue"),
+                                                                 metadata=md, timeout=5))),
+            }
+            assert set(calls) == GUARDED, "call every RPC that needs the token here"
+            for rpc, call in calls.items():
+                for name, metadata in (("none", ()), ("made-up", JobToken("0" * 64).metadata())):
+                    try:
+                        await call(metadata)
+                        out[f"{rpc}/{name}"] = grpc.StatusCode.OK
+                    except grpc.aio.AioRpcError as exc:
+                        out[f"{rpc}/{name}"] = exc.code()
+            await stub.Health(agent_pb2.HealthRequest(), timeout=5)  # probes still get an answer
         return out
 
-    assert WRITES == {"PutReplica"}, "call every state-changing RPC here"
     return asyncio.run(main())
 
 
@@ -86,9 +96,11 @@ def test_a_rogue_client_is_refused_by_a_running_job_whose_own_replication_goes_o
             capture_output=True, text=True, timeout=30).stdout)
         addrs = [n["agent_addr"] for n in status["nodes"].values()]
         assert len(addrs) == 2
+        # ftrt status read the token from etcd: the agents told it their workers
+        assert all(w and "pid" in w[0] for w in status["workers"].values()), status["workers"]
         for addr in addrs:
-            assert rogue_calls(addr) == {"PutReplica/none": grpc.StatusCode.UNAUTHENTICATED,
-                                         "PutReplica/made-up": grpc.StatusCode.UNAUTHENTICATED}
+            assert rogue_calls(addr) == {f"{rpc}/{name}": grpc.StatusCode.UNAUTHENTICATED
+                                         for rpc in GUARDED for name in ("none", "made-up")}
         # The job's own agents hold the token: a node's loss is restored from its peer's replica.
         killed_at = kill_at_rest(nodes["b"], nodes["a"], tmp_path / "hold", lambda: max(e["step"] for e in steps()))
         restore = wait_until(lambda: next((e for e in (json.loads(x) for x in log.read_text().splitlines())

@@ -137,7 +137,7 @@ def test_ftrt_etcd_serves_until_interrupted():
     proc = subprocess.Popen([sys.executable, "-m", "ftrt.cli.main", "etcd", "--port", "0"],
                             stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
-    assert "etcd is serving on 127.0.0.1:" in line
+    assert "etcd is serving on https://127.0.0.1:" in line  # closed by default (tests/store/test_closed_etcd.py)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(15) == 0
 

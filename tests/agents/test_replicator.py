@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import shutil
 import time
 import types
+from pathlib import Path
 
 import grpc.aio
 import torch
 
 from ftrt.auth import JobToken
 from ftrt.chaos.local import until
-from ftrt.agents.peers.replicator import Replicator
+from ftrt.agents.peers.replicator import Replicator, make_mem_dir
 from ftrt.agents.peers.service import AgentServicer
 from ftrt.checkpoint.memindex import IndexEntry
 from ftrt.checkpoint.memtier import Arena
@@ -118,3 +121,45 @@ def test_checkpoints_of_ranks_the_workers_left_in_place_go_once_every_held_rank_
     assert rep.prune({1, 2}) == [3]
     assert sorted(p.name for p in (mem / "own").iterdir()) == ["rank-1", "rank-2"]
     assert rep.prune({1, 2}) == []  # remembered
+
+
+def test_memory_checkpoints_and_their_replicas_are_private_to_the_user_whatever_the_umask(tmp_path):
+    """The memory tier holds the job's weights on the host's shared memory: with the most open
+    umask, every folder the node's memory directory has is 0700 and every file 0600, on the node
+    that saved (its arenas, their indexes) and on the peer that holds the replica; a slot file
+    left 0644 by an older version is made private again when it is rewritten."""
+    old_umask = os.umask(0)
+    src, dst = Path(make_mem_dir()), Path(make_mem_dir())
+    try:
+        async def main():
+            server = grpc.aio.server()
+            agent_pb2_grpc.add_AgentServiceServicer_to_server(
+                AgentServicer(types.SimpleNamespace(status=None), str(dst), TOKEN), server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            rep = Replicator("a", str(src), TOKEN, interval=0.01)
+            rep.set_peers([f"127.0.0.1:{port}"])
+            try:
+                for step in (1, 2):  # two saves: both slots and both indexes exist
+                    commit(src, 0, step, sharded=True)
+                    rep.notify(0)
+                    await until(lambda: replica_step(dst, 0) == step, 10, f"the replica of step {step}")
+            finally:
+                await rep.close()
+                await server.stop(None)
+
+        (src / "own" / "rank-0").mkdir(parents=True)
+        (src / "own" / "rank-0" / "slot-1.bin").write_bytes(b"")  # an older version's file, 0666 here
+        asyncio.run(main())
+        for root in (src, dst):
+            folders = [root, *(p for p in root.rglob("*") if p.is_dir())]
+            files = [p for p in root.rglob("*") if p.is_file()]
+            assert len(files) >= 4, files  # two slots and two indexes
+            assert {oct(p.stat().st_mode & 0o777) for p in folders} == {"0o700"}, folders
+            assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o600"}, \
+                [(p, oct(p.stat().st_mode & 0o777)) for p in files]
+        assert (dst / "replicas" / "a" / "rank-0" / "previous.json").exists()
+    finally:
+        os.umask(old_umask)
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(dst, ignore_errors=True)

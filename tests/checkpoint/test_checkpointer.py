@@ -156,6 +156,20 @@ def test_no_valid_checkpoint_is_a_clear_error(tmp_path):
     assert "step 1" in str(err.value) and "__0_0.distcp" in str(err.value) and "checksum" in str(err.value)
 
 
+def test_a_verified_checkpoint_that_cannot_be_loaded_is_a_clear_error_not_a_crash(tmp_path):
+    """DCP's load fails on a checkpoint that verified (here: it does not fit the state, as when the
+    storage fails mid-read): DCP raises a BaseException, which the restore turns into the error a
+    caller handles, naming the step and why."""
+    root = tmp_path / "ck"
+    with Checkpointer(str(root)) as ck:
+        ck.save(1, make_state()).wait()
+    other = fresh_state()
+    other["buf"] = torch.zeros(7)  # the checkpoint's buf has 6 elements
+    with Checkpointer(str(root)) as ck, pytest.raises(CheckpointUnavailable) as err:
+        ck.restore(other)
+    assert "loading checkpoint step 1" in str(err.value) and "must not train on" in str(err.value), err.value
+
+
 def test_retention_keeps_the_newest_and_removes_abandoned_folders(tmp_path):
     root = tmp_path / "ck"
     src = make_state()
