@@ -20,6 +20,7 @@ from ftrt.agents.peers.replicator import Replicator, make_mem_dir
 from ftrt.agents.peers.service import AgentServicer
 from ftrt.checkpoint.memindex import IndexEntry
 from ftrt.checkpoint.memtier import Arena
+from ftrt.privatefiles import private_dir
 from ftrt.v1 import agent_pb2_grpc
 
 
@@ -148,7 +149,7 @@ def test_memory_checkpoints_and_their_replicas_are_private_to_the_user_whatever_
                 await rep.close()
                 await server.stop(None)
 
-        (src / "own" / "rank-0").mkdir(parents=True)
+        private_dir(src / "own" / "rank-0")
         (src / "own" / "rank-0" / "slot-1.bin").write_bytes(b"")  # an older version's file, 0666 here
         asyncio.run(main())
         for root in (src, dst):
