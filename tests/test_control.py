@@ -111,14 +111,19 @@ def test_a_step_that_fails_when_the_world_changed_raises_world_changed(pipe):
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
+def refused(rt: Runtime, match: str, **step) -> None:
+    """``rt.step(**step)`` raises WorldChanged (matching ``match``) before the step runs."""
+    with pytest.raises(WorldChanged, match=match):
+        with rt.step(**step):
+            raise AssertionError("the step ran although a new round was to be taken first")
+
+
 def test_a_join_waits_for_the_step_the_ranks_agreed_on(pipe):
     r, w = pipe
     rt = _in_place(r, timeout=30)
     os.write(w, encode(NewRound(2, {"RANK": "0"}, adds_to=1)))
     assert rt.world_changed() and rt.join_waiting()
-    with pytest.raises(WorldChanged, match="at a step boundary"):  # a loop that does not agree: at once
-        with rt.step():
-            raise AssertionError("the step ran although a new round was waiting")
+    refused(rt, "at a step boundary")  # a loop that does not agree: at once
     ran = []
     with rt.step(agreed_joins=True):  # the step runs, and its waits do not leave for the join
         assert rt._gone() is None
@@ -126,9 +131,7 @@ def test_a_join_waits_for_the_step_the_ranks_agreed_on(pipe):
     assert ran == [1]
     with rt.step(agreed_joins=True):  # still nobody agreed: the next step runs too
         rt.join_after_step()  # the step's sum said a rank saw the join
-    with pytest.raises(WorldChanged, match="Round 2 replaced round 1 at a step boundary"):
-        with rt.step(agreed_joins=True):
-            raise AssertionError("the step ran after the ranks agreed to take the join")
+    refused(rt, "Round 2 replaced round 1 at a step boundary", agreed_joins=True)
 
 
 def test_an_agreed_join_is_taken_even_before_this_rank_heard_of_it(pipe):
@@ -136,9 +139,7 @@ def test_an_agreed_join_is_taken_even_before_this_rank_heard_of_it(pipe):
     rt = _in_place(r, timeout=30)
     assert not rt.join_waiting()
     rt.join_after_step()  # a peer saw it first; the agent's line is on its way
-    with pytest.raises(WorldChanged, match="replaced round 1 at a step boundary"):
-        with rt.step(agreed_joins=True):
-            raise AssertionError("the step ran after the ranks agreed to take the join")
+    refused(rt, "replaced round 1 at a step boundary", agreed_joins=True)
 
 
 def test_a_round_that_drops_a_member_ends_the_step_even_where_joins_wait(pipe):
@@ -149,9 +150,7 @@ def test_a_round_that_drops_a_member_ends_the_step_even_where_joins_wait(pipe):
         os.write(w, encode(NewRound(3, {})))  # a fault after the join: the newest round wins
         assert not rt.join_waiting()
         assert rt._gone() == "Round 3 replaced round 1"
-    with pytest.raises(WorldChanged, match="Round 3 replaced round 1"):
-        with rt.step(agreed_joins=True):
-            raise AssertionError("the step ran although a round without a peer was waiting")
+    refused(rt, "Round 3 replaced round 1", agreed_joins=True)
     stale = _in_place(r, timeout=30)
     stale._control = ControlChannel(r, after=3)
     stale.round = 3
