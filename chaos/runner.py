@@ -240,13 +240,16 @@ class ChaosRun:
                     continue
                 pending.remove(f)
                 warm = self._spares_warm(nodes, {rec.target for _, rec, _ in ends if rec.kind in SILENCING})
+                # The fault's time is when it is injected: asking the agents whether their spares are
+                # warm and reading /proc take a while on a loaded machine, and the job trains meanwhile.
+                at = time.time() - (res.t_first or now)
                 try:
                     inj = injector(f.kind)(ctx, f)
                 except Exception as exc:  # noqa: BLE001 - a fault that cannot be injected is a finding
-                    res.records.append(FaultRecord(f.kind, f.target, round(since, 3), last_step, f"not injected: {exc}"))
+                    res.records.append(FaultRecord(f.kind, f.target, round(at, 3), last_step, f"not injected: {exc}"))
                     self.log(f"[chaos] {f.kind} could not be injected: {exc}")
                     continue
-                rec = FaultRecord(f.kind, inj.target, round(since, 3), last_step, inj.detail, duration_s=f.duration_s,
+                rec = FaultRecord(f.kind, inj.target, round(at, 3), last_step, inj.detail, duration_s=f.duration_s,
                                   spares_warm=warm)
                 res.records.append(rec)
                 self.log(f"[chaos] {rec.at:7.2f} s  step {last_step:>4}  {f.kind} -> {inj.target}: {inj.detail}"

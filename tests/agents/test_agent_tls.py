@@ -13,26 +13,42 @@ import grpc
 import grpc.aio
 import pytest
 
-from ftrt.auth import JobToken
+from ftrt.auth import JobToken, read_token
 from ftrt.agents.peers.tls import AgentTls
 from ftrt.errors import ConfigError
+from ftrt.jobkeys import JobKeys
 from ftrt.store.certs import tls_dir
+from ftrt.store.etcd import EtcdStore
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
 from tests.agents.harness import FAST_WARM, Node, kill_at_rest, wait_until
 
 WORKER = Path(__file__).parents[1] / "checkpoint" / "tier_worker.py"
 
 
-def call_status(addr: str, channel_for) -> grpc.StatusCode:
+def call_status(addr: str, channel_for, token: JobToken | None = None) -> grpc.StatusCode:
     async def main():
         async with channel_for(addr) as channel:
             try:
-                await agent_pb2_grpc.AgentServiceStub(channel).Status(agent_pb2.StatusRequest(), timeout=3)
+                await agent_pb2_grpc.AgentServiceStub(channel).Status(
+                    agent_pb2.StatusRequest(), timeout=3, metadata=token.metadata() if token else ())
                 return grpc.StatusCode.OK
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
 
     return asyncio.run(main())
+
+
+def job_token_of(endpoint: str, job_id: str) -> JobToken:
+    async def main():
+        store = EtcdStore(endpoint, timeout=5.0)
+        try:
+            return await read_token(store, JobKeys(job_id))
+        finally:
+            await store.close()
+
+    token = asyncio.run(main())
+    assert token is not None
+    return token
 
 
 def put_replica(addr: str, tls: AgentTls) -> grpc.StatusCode:
@@ -91,7 +107,8 @@ def test_a_job_over_agent_mtls_refuses_outsiders_and_recovers_from_its_replicas(
             outsider = AgentTls(str(foreign.server_cert), str(foreign.server_key), str(files.ca))
             assert call_status(addr, outsider.channel) == grpc.StatusCode.UNAVAILABLE
             assert put_replica(addr, tls) == grpc.StatusCode.UNAUTHENTICATED  # a certificate is not the token
-            assert call_status(addr, tls.channel) == grpc.StatusCode.OK
+            assert call_status(addr, tls.channel) == grpc.StatusCode.UNAUTHENTICATED
+            assert call_status(addr, tls.channel, job_token_of(etcd_endpoint, job_id)) == grpc.StatusCode.OK
         killed_at = kill_at_rest(nodes["b"], nodes["a"], tmp_path / "hold", lambda: max(e["step"] for e in events("step")))
         restore = wait_until(lambda: next((e for e in events("restore") if e["time"] > killed_at), None), 60,
                              "the survivor's restore")
