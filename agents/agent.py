@@ -45,7 +45,7 @@ from ftrt.agents.states import (
 from ftrt.agents.workers.boundary import boundary_timeout, planned_change
 from ftrt.agents.workers.env import pending_env, recorded_error, worker_env
 from ftrt.agents.workers.hangs import find_hung
-from ftrt.agents.workers.keep import adds_to, job_runs_in_place
+from ftrt.agents.workers.keep import is_join, job_runs_in_place, take_round_timeout
 from ftrt.agents.workers.warmup import change_interval, idle_warm_grace
 from ftrt.checkpoint.cadence import estimate_mtbf
 from ftrt.errors import FtrtError, LeaseLost, RoundChanged, StoreError, WorkerFailure
@@ -572,8 +572,8 @@ class Agent:
             master_addr, master_port = master.addr, master.port
         offset = rnd.rank_offset(self.cfg.node_id)
         previous = self._last_started
-        joined = (adds_to(previous.round, previous.members, rnd.members, faults_between=rnd.faults - previous.faults)
-                  if previous is not None and previous.complete and rnd.complete else None)  # kept: may finish a step
+        joined = previous.round if (previous is not None and previous.complete and rnd.complete and is_join(
+            previous.members, rnd.members, faults_between=rnd.faults - previous.faults)) else None  # may finish a step
         errors = private_dir(Path(p.mem_dir) / "errors" / f"round-{rnd.round}")
         spares = iter(fresh)
         for local_rank in range(self.cfg.nproc_per_node):
@@ -598,7 +598,7 @@ class Agent:
             p.events.emit("workers_reconfigured", f"ranks {ranks} took round {rnd.round} in place, "
                           f"{len(fresh)} started ({rnd.reason})", ranks=ranks,
                           pids=[kept[lr].pid for lr in sorted(kept)], world_size=rnd.world_size)
-            self._spawn(self._await_reconfigured(rnd.round, list(kept.values())))
+            self._spawn(self._await_reconfigured(rnd.round, list(kept.values()), join=joined is not None))
         else:
             p.events.emit("workers_started", f"ranks {offset}-{last} of {rnd.world_size} "
                           f"started ({rnd.reason})", ranks=list(range(offset, last + 1)),
@@ -619,18 +619,21 @@ class Agent:
             p.pool.refill_later(SPARE_REFILL_DELAY,
                                 idle_grace=idle_warm_grace(change_interval(mtbf, rnd.round, age)))
 
-    async def _await_reconfigured(self, round_no: int, kept: list) -> None:
-        """Kill a worker kept in place that has not taken round ``round_no`` within
-        ``--reconfigure-timeout`` (its exit then fails the round as any worker's failure would,
-        and the round that follows replaces it)."""
-        await self.parts.pool.wait_taken(kept, self.cfg.reconfigure_timeout)
+    async def _await_reconfigured(self, round_no: int, kept: list, *, join: bool) -> None:
+        """Kill a worker kept in place that has not taken round ``round_no`` in time
+        (:func:`~ftrt.agents.workers.keep.take_round_timeout`: longer at a join, which a worker may
+        take after its step); its exit then fails the round as any worker's failure would, and the
+        round that follows replaces it."""
+        timeout = take_round_timeout(self.cfg.reconfigure_timeout, self.cfg.hang_timeout, join=join)
+        await self.parts.pool.wait_taken(kept, timeout)
         late = [w for w in kept if w.exit_code is None and w.round == round_no and not w.took_round.is_set()]
         current = self._workers_round()
         if not late or current is None or current.round != round_no:
             return
         for w in late:
-            detail = (f"rank {w.rank} (pid {w.pid}) did not take round {round_no} in place within "
-                      f"{self.cfg.reconfigure_timeout:g} s (--reconfigure-timeout); killed it, it is replaced")
+            detail = (f"rank {w.rank} (pid {w.pid}) did not take round {round_no} in place within {timeout:g} s "
+                      f"(--reconfigure-timeout{', two --hang-timeout steps at a join' if join else ''}); killed it, "
+                      "it is replaced")
             self.log.warning("%s", detail)
             self.parts.events.emit("reconfigure_timeout", detail, round=round_no, rank=w.rank)
             w.proc.signal(signal.SIGKILL)

@@ -13,7 +13,8 @@ import json
 import os
 from pathlib import Path
 
-from ftrt.privatefiles import private_file
+from ftrt.privatefiles import write_private
+
 
 def current_slot(directory: Path) -> int | None:
     try:
@@ -66,6 +67,5 @@ def publish_index(directory: Path, index: dict) -> None:
     if current.exists():
         os.replace(current, directory / "previous.json")
     tmp = directory / "current.json.tmp"
-    with private_file(tmp) as f:
-        f.write(json.dumps(index).encode())
+    write_private(tmp, json.dumps(index).encode())
     os.replace(tmp, current)

@@ -34,9 +34,9 @@ import torch
 
 from ftrt.checkpoint import skeleton as skel
 from ftrt.checkpoint.memfiles import index_slots, publish_index, withdraw
-from ftrt.privatefiles import private_dir, private_file
 from ftrt.checkpoint.memindex import ITEMSIZE, BadIndex, IndexEntry, MemIndex, check_index
 from ftrt.checkpoint.staging import _is_dtensor
+from ftrt.privatefiles import private_dir, private_file
 
 log = logging.getLogger(__name__)
 

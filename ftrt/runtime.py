@@ -232,7 +232,7 @@ class Runtime:
         self._joins_agreed = True
 
     def _only_adds(self, new: "NewRound | None") -> bool:
-        return new is not None and new.adds_to is not None and new.adds_to == self.round
+        return new is not None and new.adds_to == self.round
 
     @contextlib.contextmanager
     def step(self, *, agreed_joins: bool = False) -> Iterator[None]:

@@ -10,7 +10,7 @@ import pytest
 
 from ftrt import WorldChanged
 from ftrt.agents.workers.env import pending_env, worker_env
-from ftrt.agents.workers.keep import adds_to, job_runs_in_place, keep_in_place
+from ftrt.agents.workers.keep import is_join, job_runs_in_place, keep_in_place, take_round_timeout
 from ftrt.control import ControlChannel, NewRound, decode, encode
 from ftrt.errors import FtrtError
 from ftrt.records import Member, NodeRecord, RoundRecord
@@ -160,11 +160,17 @@ def test_a_round_that_drops_a_member_ends_the_step_even_where_joins_wait(pipe):
 
 def test_a_join_is_a_round_with_every_member_and_no_fault_between():
     a, b, c = (Member(n, "i1", 1) for n in "abc")
-    assert adds_to(4, [a, b], [a, b, c], faults_between=0) == 4
-    assert adds_to(4, [a, b], [a, c], faults_between=0) is None  # b drained
-    assert adds_to(4, [a, b], [a, b, c], faults_between=1) is None  # a fault between: a peer was lost
-    assert adds_to(4, [a, b], [a, Member("b", "i2", 1), c], faults_between=0) is None  # b came back anew
-    assert adds_to(4, [], [a], faults_between=0) is None
+    assert is_join([a, b], [a, b, c], faults_between=0)
+    assert not is_join([a, b], [a, c], faults_between=0)  # b drained
+    assert not is_join([a, b], [a, b, c], faults_between=1)  # a fault between: a peer was lost
+    assert not is_join([a, b], [a, Member("b", "i2", 1), c], faults_between=0)  # b came back anew
+    assert not is_join([], [a], faults_between=0)
+
+
+def test_a_worker_kept_at_a_join_has_two_steps_to_take_it_before_it_is_replaced():
+    assert take_round_timeout(10.0, 60.0, join=False) == 10.0  # a fault: --reconfigure-timeout
+    assert take_round_timeout(10.0, 60.0, join=True) == 120.0  # a join: the step in flight and the next
+    assert take_round_timeout(300.0, 60.0, join=True) == 300.0
 
 
 def test_outside_in_place_a_step_only_runs_it():

@@ -51,12 +51,18 @@ def job_runs_in_place(records: Iterable[NodeRecord], node_id: str) -> bool:
     return any(r.in_place and r.node_id != node_id and not r.leaving and not r.done_round for r in records)
 
 
-def adds_to(old_round: int, old: Sequence[Member], new: Sequence[Member], *, faults_between: int) -> int | None:
-    """``old_round`` when the next round only adds members to it (a join): no fault between the two
+def is_join(old: Sequence[Member], new: Sequence[Member], *, faults_between: int) -> bool:
+    """Whether round ``new`` only adds members to round ``old`` (a join): no fault between the two
     (a lost member, a member back with a new incarnation, or a failed worker counts one) and every
     member of ``old`` in ``new`` (same node, incarnation and number of workers). The workers kept
-    from ``old`` lose no peer then, and may finish their step before they take the new round
-    (:attr:`ftrt.control.NewRound.adds_to`). None otherwise (a drain drops a member)."""
-    if faults_between or not old or not set(old) <= set(new):
-        return None
-    return old_round
+    from ``old`` lose no peer then, and may finish their step before they take ``new``
+    (:attr:`ftrt.control.NewRound.adds_to`); a drain drops a member and is not one."""
+    return not faults_between and bool(old) and set(old) <= set(new)
+
+
+def take_round_timeout(reconfigure_timeout: float, hang_timeout: float, *, join: bool) -> float:
+    """How long a worker kept in place has to take its next round before it is killed and replaced:
+    ``--reconfigure-timeout``; at a join, also two steps, each at most ``--hang-timeout`` (a worker
+    silent longer counts as hung anyway), since a loop that agrees on a join's step takes it at
+    the start of the step after the one whose collective carried the agreement."""
+    return max(reconfigure_timeout, 2 * hang_timeout) if join else reconfigure_timeout

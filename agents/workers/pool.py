@@ -428,7 +428,7 @@ class WorkerPool:
                    adds_to: int | None = None) -> bool:
         """Hand a running worker that changes rounds in place its next round (:mod:`ftrt.control`);
         :attr:`Worker.took_round` is set once it acknowledged. False if it can no longer hear it.
-        ``adds_to``: the round this one only adds members to (:func:`~ftrt.agents.workers.keep.adds_to`)."""
+        ``adds_to``: the round this one only adds members to (a join, :func:`~ftrt.agents.workers.keep.is_join`)."""
         self._place(worker, local_rank=local_rank, rank=rank, round_no=round_no)
         if not worker.since_round:  # started before its node's admission: this is its first round
             worker.since_round = round_no
