@@ -698,7 +698,7 @@ async def main(cfg: LaunchConfig, early=None, store: Store | None = None) -> int
                 log.info("asked to drain before joining the job; leaving")
                 return 0
             agent = Agent(parts, stop)
-            await serve(server, AgentServicer(agent, parts.mem_dir, parts.token))
+            await serve(server, AgentServicer(agent, parts.mem_dir, parts.token, parts.gate))
             return await agent.run()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -28,6 +28,7 @@ from ftrt.agents.rendezvous.membership import Membership
 from ftrt.agents.peers.monitor import MONITORED_PEERS, PeerMonitor
 from ftrt.agents.ops.probes import Probes
 from ftrt.agents.rendezvous.rendezvous import Rendezvous
+from ftrt.agents.peers.claims import ClaimBook, ReplicaGate
 from ftrt.agents.peers.replicator import Replicator
 from ftrt.agents.peers.service import bind_server
 from ftrt.agents.states import AgentState
@@ -112,6 +113,8 @@ class AgentParts:
     monitor: PeerMonitor
     channels: PeerChannels
     probes: Probes
+    gate: ReplicaGate
+    """What this node checks replicas from its peers against (their owners' claims)."""
 
 
 async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store: Store | None = None,
@@ -157,10 +160,6 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
     token = await job_token(store, keys)
     channels = PeerChannels(cfg.agent_tls)
     stack.push_async_callback(channels.close)  # after the replicator and the monitor (closed first)
-    replicator = Replicator(cfg.node_id, early.mem_dir, token, cfg.replica_interval, channels)
-    stack.push_async_callback(replicator.close)
-    metrics = metrics_for(cfg.metrics_port is not None, cfg.node_id,
-                          etcd_errors=lambda: getattr(store, "errors", 0), replicas=replicator.replicated)
     event_file = open_event_file(cfg.event_log) if cfg.event_log else None
     if event_file is not None:
         stack.callback(event_file.close)
@@ -180,6 +179,13 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
     membership = Membership(store, keys, node_id=cfg.node_id, host=host, agent_addr=agent_addr,
                             nproc=cfg.nproc_per_node, lease_ttl=cfg.lease_ttl, on_renew=early.fence.set, log=alog)
     stack.push_async_callback(membership.close)
+    replicator = Replicator(cfg.node_id, early.mem_dir, token,
+                            ClaimBook(store, keys, cfg.node_id, host, membership.registration),
+                            cfg.replica_interval, channels)
+    stack.push_async_callback(replicator.close)
+    gate = ReplicaGate(store, keys)
+    metrics = metrics_for(cfg.metrics_port is not None, cfg.node_id, etcd_errors=lambda: getattr(store, "errors", 0),
+                          replicas=replicator.replicated, replicas_refused=lambda: gate.refused)
     rdzv = Rendezvous(
         store, keys, cfg.node_id,
         RendezvousConfig(
@@ -219,7 +225,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
         agent_addr=agent_addr,
         store=store, fence=early.fence, round_end=early.round_end, mem_dir=early.mem_dir, token=token,
         metrics=metrics, events=events, replicator=replicator, inbox=inbox, pool=pool, membership=membership,
-        rdzv=rdzv, monitor=monitor, channels=channels, probes=probes,
+        rdzv=rdzv, monitor=monitor, channels=channels, probes=probes, gate=gate,
     ), server
 
 

@@ -7,7 +7,9 @@ holds one record per live agent; only the job's decider watches it, so a join co
 events per agent, not O(N). ``election/`` holds the decider election's candidate slots; an
 agent watches one of them. ``roster/`` holds the rounds' members in group shards, which agents read
 (not watch) when the round header under ``rdzv/`` names a shard they need. ``rollout/`` holds the
-rollout fleet's servers and the policy spec they serve. Events and checkpoint pointers live beside them so their traffic
+rollout fleet's servers, the policy spec they serve and the weight versions the trainer made.
+``memclaims/`` holds what each node claims its memory checkpoints are, which the peers that
+receive its replicas check them against. Events and checkpoint pointers live beside them so their traffic
 wakes no rendezvous.
 """
 
@@ -135,6 +137,22 @@ class JobKeys:
     def rollout_server(self, server_id: str) -> str:
         """A rollout server's record, under its lease."""
         return f"{self.rollout_servers}{server_id}"
+
+    @property
+    def rollout_versions(self) -> str:
+        """The weight versions the trainer made, with their digests, under the trainer's lease: a
+        rollout server takes a push only if it matches (:mod:`ftrt.rollout.claims`)."""
+        return f"{self.rollout}versions"
+
+    @property
+    def mem_claims(self) -> str:
+        """Prefix of what each node claims its memory checkpoints are (:mod:`ftrt.agents.peers.claims`),
+        outside ``rdzv/``: written as a node replicates, read by the peer that receives the replica."""
+        return f"{self.root}memclaims/"
+
+    def mem_claim(self, node_id: str, rank: int) -> str:
+        """Node ``node_id``'s claims of rank ``rank``'s memory checkpoints, under its lease."""
+        return f"{self.mem_claims}{check_id('node id', node_id)}/rank-{int(rank)}"
 
     @property
     def token(self) -> str:

@@ -50,11 +50,12 @@ def restart_reason(round_reason: str) -> str:
 
 
 class AgentMetrics:
-    """The metrics of one node. ``etcd_errors`` and ``replicas`` (rank -> step last copied to
-    the peer; None while the node has no peer) are read at scrape time."""
+    """The metrics of one node. ``etcd_errors``, ``replicas`` (rank -> step last copied to
+    the peer; None while the node has no peer) and ``replicas_refused`` (replicas from peers this
+    node refused, :mod:`ftrt.agents.peers.claims`) are read at scrape time."""
 
     def __init__(self, node_id: str, *, etcd_errors: Callable[[], int],
-                 replicas: Callable[[], dict[int, int] | None],
+                 replicas: Callable[[], dict[int, int] | None], replicas_refused: Callable[[], int] = lambda: 0,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.node_id = node_id
         self.clock = clock
@@ -100,7 +101,7 @@ class AgentMetrics:
         self._productive = 0.0
         self._first_step_at: float | None = None
         self._typical = 0.0  # smoothed step time
-        r.register(_Live(self, etcd_errors, replicas))
+        r.register(_Live(self, etcd_errors, replicas, replicas_refused))
 
     # -- events ---------------------------------------------------------------------------------
     def fault(self, kind: str) -> None:
@@ -198,8 +199,8 @@ class _Live(Collector):
     """Metrics computed when scraped."""
 
     def __init__(self, m: AgentMetrics, etcd_errors: Callable[[], int],
-                 replicas: Callable[[], dict[int, int] | None]):
-        self.m, self.etcd_errors, self.replicas = m, etcd_errors, replicas
+                 replicas: Callable[[], dict[int, int] | None], replicas_refused: Callable[[], int]):
+        self.m, self.etcd_errors, self.replicas, self.replicas_refused = m, etcd_errors, replicas, replicas_refused
 
     def collect(self) -> Iterable:
         now = self.m.clock()
@@ -229,6 +230,10 @@ class _Live(Collector):
         errors = CounterMetricFamily("ftrt_etcd_errors", "Failed etcd call attempts (retried or not).")
         errors.add_metric([], self.etcd_errors())
         yield errors
+        refused = CounterMetricFamily("ftrt_replicas_refused", "Memory replicas from peers this node refused: "
+                                      "not what their owner claimed, or sent by another node.")
+        refused.add_metric([], self.replicas_refused())
+        yield refused
 
 
 def serve(metrics: AgentMetrics, host: str, port: int):

@@ -38,9 +38,9 @@ class NoMetrics:
 
 
 def metrics_for(enabled: bool, node_id: str, *, etcd_errors: Callable[[], int],
-                replicas: Callable[[], dict[int, int] | None]) -> Metrics:
+                replicas: Callable[[], dict[int, int] | None], replicas_refused: Callable[[], int]) -> Metrics:
     if not enabled:
         return NoMetrics()
     from ftrt.agents.ops.metrics import AgentMetrics
 
-    return AgentMetrics(node_id, etcd_errors=etcd_errors, replicas=replicas)
+    return AgentMetrics(node_id, etcd_errors=etcd_errors, replicas=replicas, replicas_refused=replicas_refused)

@@ -3,12 +3,14 @@
 When a worker reports a complete memory checkpoint (:class:`ftrt.reports.MemorySaved`), the
 agent streams that rank's arena (index first, then the bytes in 1 MiB chunks) to each of its K
 ring successors in the current round (``--replicas K``, default 1) with
-:meth:`AgentService.PutReplica`. With K copies, any K nodes lost at once, adjacent ones included,
+:meth:`AgentService.PutReplica`. Before the stream's last message, the SHA-256 of the index and
+bytes, the agent claims the checkpoint in etcd (:mod:`.claims`): its receiver stores only a
+replica its owner claimed. With K copies, any K nodes lost at once, adjacent ones included,
 leave a copy of each lost node's ranks on a survivor. Replication is latest-wins per rank: a
 checkpoint superseded before its turn is skipped. The receiver writes into the alternate slot of
-``replicas/<node>/rank-<r>/`` and publishes the index only when every byte arrived and matched
-the CRC-32 the sender computed as it read them (the stream's last message), so a torn or damaged
-transfer never replaces a good replica. After the loss of a node, the survivors' workers find
+``replicas/<node>/rank-<r>/`` and publishes the index only when every byte arrived, matched the SHA-256 the sender computed as it read them
+(the stream's last message) and matched the sender's claim, so a torn, damaged or forged transfer
+never replaces a good replica. After the loss of a node, the survivors' workers find
 that node's arenas among their own node's replicas (:func:`ftrt.checkpoint.memtier.scan`).
 
 A sharded rank is sent after every checkpoint: its shards exist nowhere else. A rank whose
@@ -27,14 +29,16 @@ import logging
 import os
 import shutil
 import time
-import zlib
+import uuid
 from pathlib import Path
+from typing import Mapping
 
 import grpc
 import grpc.aio
 
 from ftrt.auth import JobToken
 from ftrt.jobkeys import check_id
+from ftrt.agents.peers.claims import Claim, ClaimBook, ReplicaGate, hasher
 from ftrt.privatefiles import private_dir, private_file
 from ftrt.agents.peers.tls import PLAINTEXT, PeerChannels
 from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
@@ -70,9 +74,11 @@ class Replicator:
     """Sends this node's newest memory checkpoints to its replica peers (``--replicas K``: the K
     ring successors in the current round), each over its own :class:`_PeerLink`."""
 
-    def __init__(self, node_id: str, mem_dir: str, token: JobToken, interval: float = 0.0,
+    def __init__(self, node_id: str, mem_dir: str, token: JobToken, claims: ClaimBook, interval: float = 0.0,
                  channels: PeerChannels | None = None) -> None:
         self.node_id = node_id
+        self.claims = claims
+        """Where each copy is claimed before its last message goes (:mod:`.claims`)."""
         self.channels = channels if channels is not None else PeerChannels(PLAINTEXT)
         """Where the links' channels come from (shared with the liveness streams, kept across rounds)."""
         self.mem_dir = mem_dir
@@ -268,7 +274,8 @@ class _PeerLink:
                     await self._send(rank)
                 except Exception as exc:  # noqa: BLE001 - one failed copy must not end this peer's replication
                     log.warning("replicating rank %d's memory checkpoint to %s failed: %s", rank, self.peer,
-                                exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc)
+                                f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError)
+                                else exc)
 
     async def _send(self, rank: int) -> None:
         directory = Path(self.owner.mem_dir) / "own" / f"rank-{rank}"
@@ -280,14 +287,16 @@ class _PeerLink:
         path = directory / f"slot-{index['slot']}.bin"
         t0 = time.monotonic()
 
+        index_json = json.dumps(index)
+
         async def chunks():
             yield agent_pb2.ReplicaChunk(source_node=self.owner.node_id, rank=rank, step=index["step"],
-                                         index_json=json.dumps(index))
-            crc = 0
+                                         index_json=index_json)
+            digest = hasher(index_json)
             with open(path, "rb") as f:
                 sent = 0
                 while sent < index["size"]:
-                    data, crc = await asyncio.to_thread(_read_crc, f, min(CHUNK, index["size"] - sent), crc)
+                    data = await asyncio.to_thread(_read_hash, f, min(CHUNK, index["size"] - sent), digest)
                     if not data:
                         break
                     sent += len(data)
@@ -295,7 +304,9 @@ class _PeerLink:
             # The slot must not have been reused while we read it, or the copy is torn.
             if current_slot(directory) != index["slot"] and _previous_slot(directory) != index["slot"]:
                 raise ValueError(f"rank {rank}'s arena slot was reused during replication")
-            yield agent_pb2.ReplicaChunk(crc32=f"{crc:08x}")
+            sha = digest.hexdigest()
+            await self.owner.claims.publish(rank, Claim(*key, size=sent, sha256=sha))
+            yield agent_pb2.ReplicaChunk(sha256=sha)
 
         stub = agent_pb2_grpc.AgentServiceStub(self._channel)
         ack = await stub.PutReplica(chunks(), timeout=300, metadata=self.owner.token.metadata())
@@ -311,14 +322,15 @@ class _PeerLink:
         await asyncio.gather(self._task, return_exceptions=True)
 
 
-def _read_crc(f, n: int, crc: int) -> tuple[bytes, int]:
+def _read_hash(f, n: int, digest) -> bytes:
     data = f.read(n)
-    return data, zlib.crc32(data, crc)
+    digest.update(data)
+    return data
 
 
-def _write_crc(f, data: bytes, crc: int) -> int:
+def _write_hash(f, data: bytes, digest) -> None:
     f.write(data)
-    return zlib.crc32(data, crc)
+    digest.update(data)
 
 
 def _previous_slot(directory: Path) -> int | None:
@@ -343,35 +355,37 @@ def replica_dir(mem_dir: str, chunk: agent_pb2.ReplicaChunk) -> tuple[Path, dict
     return Path(mem_dir) / "replicas" / source / f"rank-{index['rank']}", index
 
 
-async def receive_replica(mem_dir: str, request_iterator) -> agent_pb2.ReplicaAck:
-    """Store one replica stream (the server side of ``PutReplica``)."""
+async def receive_replica(mem_dir: str, request_iterator, gate: ReplicaGate,
+                          auth_context: Mapping[str, list[bytes]]) -> agent_pb2.ReplicaAck:
+    """Store one replica stream (the server side of ``PutReplica``) if ``gate`` admits it: its
+    owner claimed exactly these bytes (:mod:`.claims`). ``auth_context`` is the call's, whose
+    certificate (under mutual TLS) must name the source node."""
     header = None
     f = None
-    path = None  # the slot file being written, until its index is published
+    path = None  # the file being written, until it becomes a slot
     received = 0
-    crc = 0
+    digest = None
     claimed: str | None = None
     try:
         async for chunk in request_iterator:
             if header is None:
                 header = chunk
                 directory, index = replica_dir(mem_dir, chunk)
-                private_dir(directory)
-                now = current_slot(directory)
-                slot = 0 if now is None else 1 - now
-                invalidate_slot(directory, slot)
-                path = directory / f"slot-{slot}.bin"
+                # Into a file of its own: a stream that is refused, torn or concurrent with another
+                # (a caller with the token may send one at any time) touches no slot until admitted.
+                path = private_dir(directory) / f".incoming-{uuid.uuid4().hex}"
                 f = private_file(path)
+                digest = hasher(chunk.index_json)
             if claimed is not None:
                 raise ValueError(f"the replica of rank {header.rank} step {header.step} went on after its checksum")
             if chunk.data:
                 if received + len(chunk.data) > index["size"]:
                     raise ValueError(f"the replica of rank {header.rank} step {header.step} sent more than the "
                                      f"{index['size']} bytes its index gives")
-                crc = await asyncio.to_thread(_write_crc, f, chunk.data, crc)
+                await asyncio.to_thread(_write_hash, f, chunk.data, digest)
                 received += len(chunk.data)
-            if chunk.crc32:
-                claimed = chunk.crc32
+            if chunk.sha256:
+                claimed = chunk.sha256
         if header is None:
             return agent_pb2.ReplicaAck(bytes=0)
         f.close()
@@ -379,17 +393,36 @@ async def receive_replica(mem_dir: str, request_iterator) -> agent_pb2.ReplicaAc
         if received != index["size"]:
             raise ValueError(f"replica of rank {header.rank} step {header.step} ended after {received} "
                              f"of {index['size']} bytes")
-        if claimed != f"{crc:08x}":
+        sha = digest.hexdigest()
+        if claimed != sha:
             raise ValueError(f"the replica of rank {header.rank} step {header.step} "
                              + ("carried no checksum" if claimed is None else
-                                f"does not match its checksum (sent {claimed[:8]!r}, received {crc:08x})"))
-        index.pop("file", None)
-        index["slot"] = slot
-        publish_index(directory, index)
+                                f"does not match its checksum (sent {claimed[:12]!r}, received {sha[:12]})"))
+        await gate.admit(header.source_node, index["rank"],
+                         Claim(index["step"], index["round"], index["world"], received, sha), auth_context)
+        _install(directory, path, index)
         path = None
         return agent_pb2.ReplicaAck(bytes=received)
     finally:
         if f is not None:
             f.close()
-        if path is not None:  # a torn or refused stream leaves no bytes behind
+        if path is not None:  # a torn or refused stream leaves no bytes behind, nor a folder it made
             path.unlink(missing_ok=True)
+            for folder in (path.parent, path.parent.parent):
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break  # not empty: it holds replicas
+
+
+def _install(directory: Path, incoming: Path, index: dict) -> None:
+    """Make ``incoming`` the newest replica in ``directory``: it takes the slot the previous one
+    holds (that one goes), and its index is published. No await in between: two streams that end
+    together are installed one after the other."""
+    now = current_slot(directory)
+    slot = 0 if now is None else 1 - now
+    invalidate_slot(directory, slot)
+    os.replace(incoming, directory / f"slot-{slot}.bin")
+    index.pop("file", None)
+    index["slot"] = slot
+    publish_index(directory, index)

@@ -18,6 +18,7 @@ import grpc
 import grpc.aio
 
 from ftrt.auth import JobToken, require_token
+from ftrt.agents.peers.claims import ReplicaGate, ReplicaRefused
 from ftrt.agents.peers.tls import PLAINTEXT, AgentTls
 from ftrt.agents.workers.pool import Worker
 from ftrt.roster import LocalRound
@@ -50,12 +51,13 @@ class StatusSource(Protocol):
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     """Answers for one agent: its status from ``source``, replicas into ``mem_dir`` for callers
-    that show ``token``."""
+    that show ``token`` and that ``gate`` admits (their owner claimed them)."""
 
-    def __init__(self, source: StatusSource, mem_dir: str, token: JobToken) -> None:
+    def __init__(self, source: StatusSource, mem_dir: str, token: JobToken, gate: ReplicaGate) -> None:
         self.source = source
         self.mem_dir = mem_dir
         self.token = token
+        self.gate = gate
         self.started = time.monotonic()
 
     def _health(self, st: AgentStatus) -> agent_pb2.HealthResponse:
@@ -93,6 +95,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             max_restarts=st.max_restarts,
             workers=workers,
             warm_workers=st.warm_workers,
+            replicas_refused=self.gate.refused,
         )
 
     async def Liveness(self, request, context):
@@ -109,7 +112,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
         await self._authorize(context, "stores a memory checkpoint on this node")
         try:
-            return await receive_replica(self.mem_dir, request_iterator)
+            return await receive_replica(self.mem_dir, request_iterator, self.gate, context.auth_context())
+        except ReplicaRefused as exc:  # not what its owner claimed: logged and counted by the gate
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ValueError as exc:  # a bad name, index or size from the wire: nothing was stored
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x66trt/v1/agent.proto\x12\x07\x66trt.v1\"\xa0\x01\n\x0cWorkerStatus\x12\x12\n\nlocal_rank\x18\x01 \x01(\x05\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x1c\n\x14last_heartbeat_age_s\x18\x06 \x01(\x01\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x13\n\x0bsince_round\x18\x08 \x01(\x05\"\x0f\n\rHealthRequest\"n\n\x0eHealthResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x10\n\x08uptime_s\x18\x06 \x01(\x01\"\x0f\n\rStatusRequest\"\xc7\x01\n\x0eStatusResponse\x12\'\n\x06health\x18\x01 \x01(\x0b\x32\x17.ftrt.v1.HealthResponse\x12\x12\n\ngroup_rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x10\n\x08restarts\x18\x04 \x01(\x05\x12\x14\n\x0cmax_restarts\x18\x05 \x01(\x05\x12&\n\x07workers\x18\x06 \x03(\x0b\x32\x15.ftrt.v1.WorkerStatus\x12\x14\n\x0cwarm_workers\x18\x07 \x01(\x05\";\n\x0fLivenessRequest\x12\x14\n\x0c\x66rom_node_id\x18\x01 \x01(\t\x12\x12\n\ninterval_s\x18\x02 \x01(\x01\"<\n\x0cLivenessBeat\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0c\n\x04time\x18\x03 \x01(\x01\"p\n\x0cReplicaChunk\x12\x13\n\x0bsource_node\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x12\n\nindex_json\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\t\"\x1b\n\nReplicaAck\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x32\xff\x01\n\x0c\x41gentService\x12\x39\n\x06Health\x12\x16.ftrt.v1.HealthRequest\x1a\x17.ftrt.v1.HealthResponse\x12\x39\n\x06Status\x12\x16.ftrt.v1.StatusRequest\x1a\x17.ftrt.v1.StatusResponse\x12=\n\x08Liveness\x12\x18.ftrt.v1.LivenessRequest\x1a\x15.ftrt.v1.LivenessBeat0\x01\x12:\n\nPutReplica\x12\x15.ftrt.v1.ReplicaChunk\x1a\x13.ftrt.v1.ReplicaAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x66trt/v1/agent.proto\x12\x07\x66trt.v1\"\xa0\x01\n\x0cWorkerStatus\x12\x12\n\nlocal_rank\x18\x01 \x01(\x05\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x1c\n\x14last_heartbeat_age_s\x18\x06 \x01(\x01\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x13\n\x0bsince_round\x18\x08 \x01(\x05\"\x0f\n\rHealthRequest\"n\n\x0eHealthResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x10\n\x08uptime_s\x18\x06 \x01(\x01\"\x0f\n\rStatusRequest\"\xe1\x01\n\x0eStatusResponse\x12\'\n\x06health\x18\x01 \x01(\x0b\x32\x17.ftrt.v1.HealthResponse\x12\x12\n\ngroup_rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x10\n\x08restarts\x18\x04 \x01(\x05\x12\x14\n\x0cmax_restarts\x18\x05 \x01(\x05\x12&\n\x07workers\x18\x06 \x03(\x0b\x32\x15.ftrt.v1.WorkerStatus\x12\x14\n\x0cwarm_workers\x18\x07 \x01(\x05\x12\x18\n\x10replicas_refused\x18\x08 \x01(\x03\";\n\x0fLivenessRequest\x12\x14\n\x0c\x66rom_node_id\x18\x01 \x01(\t\x12\x12\n\ninterval_s\x18\x02 \x01(\x01\"<\n\x0cLivenessBeat\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0c\n\x04time\x18\x03 \x01(\x01\"w\n\x0cReplicaChunk\x12\x13\n\x0bsource_node\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x12\n\nindex_json\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06sha256\x18\x07 \x01(\tJ\x04\x08\x06\x10\x07\"\x1b\n\nReplicaAck\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x32\xff\x01\n\x0c\x41gentService\x12\x39\n\x06Health\x12\x16.ftrt.v1.HealthRequest\x1a\x17.ftrt.v1.HealthResponse\x12\x39\n\x06Status\x12\x16.ftrt.v1.StatusRequest\x1a\x17.ftrt.v1.StatusResponse\x12=\n\x08Liveness\x12\x18.ftrt.v1.LivenessRequest\x1a\x15.ftrt.v1.LivenessBeat0\x01\x12:\n\nPutReplica\x12\x15.ftrt.v1.ReplicaChunk\x1a\x13.ftrt.v1.ReplicaAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,15 +40,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=324
   _globals['_STATUSREQUEST']._serialized_end=339
   _globals['_STATUSRESPONSE']._serialized_start=342
-  _globals['_STATUSRESPONSE']._serialized_end=541
-  _globals['_LIVENESSREQUEST']._serialized_start=543
-  _globals['_LIVENESSREQUEST']._serialized_end=602
-  _globals['_LIVENESSBEAT']._serialized_start=604
-  _globals['_LIVENESSBEAT']._serialized_end=664
-  _globals['_REPLICACHUNK']._serialized_start=666
-  _globals['_REPLICACHUNK']._serialized_end=778
-  _globals['_REPLICAACK']._serialized_start=780
-  _globals['_REPLICAACK']._serialized_end=807
-  _globals['_AGENTSERVICE']._serialized_start=810
-  _globals['_AGENTSERVICE']._serialized_end=1065
+  _globals['_STATUSRESPONSE']._serialized_end=567
+  _globals['_LIVENESSREQUEST']._serialized_start=569
+  _globals['_LIVENESSREQUEST']._serialized_end=628
+  _globals['_LIVENESSBEAT']._serialized_start=630
+  _globals['_LIVENESSBEAT']._serialized_end=690
+  _globals['_REPLICACHUNK']._serialized_start=692
+  _globals['_REPLICACHUNK']._serialized_end=811
+  _globals['_REPLICAACK']._serialized_start=813
+  _globals['_REPLICAACK']._serialized_end=840
+  _globals['_AGENTSERVICE']._serialized_start=843
+  _globals['_AGENTSERVICE']._serialized_end=1098
 # @@protoc_insertion_point(module_scope)

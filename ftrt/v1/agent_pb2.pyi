@@ -51,7 +51,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("health", "group_rank", "world_size", "restarts", "max_restarts", "workers", "warm_workers")
+    __slots__ = ("health", "group_rank", "world_size", "restarts", "max_restarts", "workers", "warm_workers", "replicas_refused")
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class StatusResponse(_message.Message):
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     WARM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     health: HealthResponse
     group_rank: int
     world_size: int
@@ -66,7 +67,8 @@ class StatusResponse(_message.Message):
     max_restarts: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     warm_workers: int
-    def __init__(self, health: _Optional[_Union[HealthResponse, _Mapping]] = ..., group_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., max_restarts: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., warm_workers: _Optional[int] = ...) -> None: ...
+    replicas_refused: int
+    def __init__(self, health: _Optional[_Union[HealthResponse, _Mapping]] = ..., group_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., restarts: _Optional[int] = ..., max_restarts: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., warm_workers: _Optional[int] = ..., replicas_refused: _Optional[int] = ...) -> None: ...
 
 class LivenessRequest(_message.Message):
     __slots__ = ("from_node_id", "interval_s")
@@ -87,20 +89,20 @@ class LivenessBeat(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., time: _Optional[float] = ...) -> None: ...
 
 class ReplicaChunk(_message.Message):
-    __slots__ = ("source_node", "rank", "step", "index_json", "data", "crc32")
+    __slots__ = ("source_node", "rank", "step", "index_json", "data", "sha256")
     SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     INDEX_JSON_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     source_node: str
     rank: int
     step: int
     index_json: str
     data: bytes
-    crc32: str
-    def __init__(self, source_node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., index_json: _Optional[str] = ..., data: _Optional[bytes] = ..., crc32: _Optional[str] = ...) -> None: ...
+    sha256: str
+    def __init__(self, source_node: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., index_json: _Optional[str] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class ReplicaAck(_message.Message):
     __slots__ = ("bytes",)

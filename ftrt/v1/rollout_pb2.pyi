@@ -39,7 +39,7 @@ class GenerateReply(_message.Message):
     def __init__(self, step: _Optional[int] = ..., prompt_id: _Optional[int] = ..., version: _Optional[int] = ..., group: _Optional[int] = ..., width: _Optional[int] = ..., tokens: _Optional[bytes] = ..., server_id: _Optional[str] = ..., generate_s: _Optional[float] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("version", "digest", "tensors", "name", "dtype", "shape", "data", "last_piece", "crc32", "commit", "keep_from")
+    __slots__ = ("version", "digest", "tensors", "name", "dtype", "shape", "data", "last_piece", "sha256", "commit", "keep_from")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -48,7 +48,7 @@ class WeightChunk(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_PIECE_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     KEEP_FROM_FIELD_NUMBER: _ClassVar[int]
     version: int
@@ -59,10 +59,10 @@ class WeightChunk(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     last_piece: bool
-    crc32: int
+    sha256: bytes
     commit: bool
     keep_from: int
-    def __init__(self, version: _Optional[int] = ..., digest: _Optional[str] = ..., tensors: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., last_piece: _Optional[bool] = ..., crc32: _Optional[int] = ..., commit: _Optional[bool] = ..., keep_from: _Optional[int] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., digest: _Optional[str] = ..., tensors: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., last_piece: _Optional[bool] = ..., sha256: _Optional[bytes] = ..., commit: _Optional[bool] = ..., keep_from: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("version", "digest", "bytes", "apply_s", "held")

@@ -17,7 +17,20 @@ from ftrt.auth import GUARDED, OPEN, JobToken, job_token
 from ftrt.jobkeys import JobKeys
 from ftrt.store.etcd import EtcdStore
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
+from ftrt.agents.peers import service
 from tests.agents.harness import FAST_WARM, Node, kill_at_rest, wait_until
+from tests.agents.test_agent_tls import job_token_of
+from tests.agents.test_claims import forged
+
+
+async def put_at(addr: str, stream: list[agent_pb2.ReplicaChunk], token: JobToken) -> tuple[grpc.StatusCode, str]:
+    """Send a replica stream to the agent at ``addr`` with ``token``; its status and details."""
+    async with grpc.aio.insecure_channel(addr) as channel:
+        try:
+            await agent_pb2_grpc.AgentServiceStub(channel).PutReplica(iter(stream), metadata=token.metadata(), timeout=10)
+            return grpc.StatusCode.OK, ""
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details()
 
 WORKER = Path(__file__).parents[1] / "checkpoint" / "tier_worker.py"
 
@@ -101,12 +114,24 @@ def test_a_rogue_client_is_refused_by_a_running_job_whose_own_replication_goes_o
         for addr in addrs:
             assert rogue_calls(addr) == {f"{rpc}/{name}": grpc.StatusCode.UNAUTHENTICATED
                                          for rpc in GUARDED for name in ("none", "made-up")}
+        # Attack 2 of issue 32, with the job's real token: b's own checkpoint, its step raised by
+        # 100000 and every byte zeroed, sent to a as b's replica. a refuses it: b never claimed it.
+        a_addr = status["nodes"]["a"]["agent_addr"]
+        b_own = next(Path(d) for root in ("/dev/shm", "/tmp") for d in Path(root).glob(f"ftrt-mem-{nodes['b'].pid}-*"))
+        rank = int(next((b_own / "own").glob("rank-*")).name.split("-")[1])
+        token = job_token_of(etcd_endpoint, job_id)
+        code, why = asyncio.run(put_at(a_addr, forged(b_own, rank, source="b", step_raise=100000), token))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "not step 1000" in why, (code, why)
+        assert wait_until(lambda: f"refused a memory replica said to be node b's rank {rank}" in nodes["a"].log(), 10,
+                          "a's log line about the refusal")
+        assert asyncio.run(service.status(a_addr, token, timeout=5)).replicas_refused == 1
         # The job's own agents hold the token: a node's loss is restored from its peer's replica.
         killed_at = kill_at_rest(nodes["b"], nodes["a"], tmp_path / "hold", lambda: max(e["step"] for e in steps()))
         restore = wait_until(lambda: next((e for e in (json.loads(x) for x in log.read_text().splitlines())
                                            if e.get("event") == "restore" and e["time"] > killed_at), None),
                              60, "the survivor's restore")
         assert restore["tier"] == "memory" and restore["ok"], restore
+        assert restore["step"] <= max(e["step"] for e in steps() if e["time"] <= killed_at), restore  # not forged
         assert nodes["a"].wait(120) == 0, nodes["a"].log()
         assert not list(Path("/dev/shm").glob("ftrt-mem-*/replicas/rogue")) and not list(
             Path("/tmp").glob("ftrt-mem-*/replicas/rogue"))

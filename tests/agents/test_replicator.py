@@ -8,20 +8,19 @@ import math
 import os
 import shutil
 import time
-import types
 from pathlib import Path
 
-import grpc.aio
 import torch
 
 from ftrt.auth import JobToken
 from ftrt.chaos.local import until
 from ftrt.agents.peers.replicator import Replicator, make_mem_dir
-from ftrt.agents.peers.service import AgentServicer
 from ftrt.checkpoint.memindex import IndexEntry
 from ftrt.checkpoint.memtier import Arena
 from ftrt.privatefiles import private_dir
-from ftrt.v1 import agent_pb2_grpc
+from ftrt.store.memory import MemoryStore
+from ftrt.agents.peers.claims import ClaimBook
+from tests.agents.replicas import KEYS, registered, replica_server
 
 
 TOKEN = JobToken("5" * 64)
@@ -47,11 +46,10 @@ def test_sharded_ranks_go_after_every_checkpoint_and_whole_ones_at_most_every_in
     src, dst = tmp_path / "src", tmp_path / "dst"
 
     async def main():
-        server = grpc.aio.server()
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(types.SimpleNamespace(status=None), str(dst), TOKEN), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        rep = Replicator("a", str(src), TOKEN, interval=0.5)
+        store = MemoryStore()
+        server, port, _ = await replica_server(str(dst), store, TOKEN)
+        claims = await registered(store, "a")
+        rep = Replicator("a", str(src), TOKEN, claims, interval=0.5)
         rep.set_peers([f"127.0.0.1:{port}"])
         try:
             t0 = time.monotonic()
@@ -80,12 +78,11 @@ def test_a_drain_flushes_the_newest_sharded_checkpoint_to_its_peers_and_says_whe
     src, dst = tmp_path / "src", tmp_path / "dst"
 
     async def main():
-        server = grpc.aio.server()
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(types.SimpleNamespace(status=None), str(dst), TOKEN), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        lonely = Replicator("a", str(src), TOKEN, interval=60)
-        rep = Replicator("a", str(src), TOKEN, interval=60)
+        store = MemoryStore()
+        server, port, _ = await replica_server(str(dst), store, TOKEN)
+        claims = await registered(store, "a")
+        lonely = Replicator("a", str(src), TOKEN, claims, interval=60)
+        rep = Replicator("a", str(src), TOKEN, claims, interval=60)
         try:
             commit(src, 0, 3, sharded=False)
             assert await rep.flush(1.0) is True  # only whole ranks: the staying ranks hold the same step
@@ -114,7 +111,7 @@ def test_checkpoints_of_ranks_the_workers_left_in_place_go_once_every_held_rank_
     mem = tmp_path / "mem"
     commit(mem, 2, step=9, sharded=False, round_no=3)
     commit(mem, 3, step=9, sharded=False, round_no=3)
-    rep = Replicator("a", str(mem), TOKEN, interval=60)
+    rep = Replicator("a", str(mem), TOKEN, ClaimBook(MemoryStore(), KEYS, "a", "127.0.0.1", lambda: None), interval=60)
     assert rep.prune({1, 2}) == []  # rank 1 has no checkpoint yet: rank 3's may still be the newest
     commit(mem, 1, step=10, sharded=False, round_no=4)
     assert rep.prune({1, 2}) == []  # rank 2's is of round 3, as rank 3's: nothing is older than every held one
@@ -133,12 +130,10 @@ def test_memory_checkpoints_and_their_replicas_are_private_to_the_user_whatever_
     src, dst = Path(make_mem_dir()), Path(make_mem_dir())
     try:
         async def main():
-            server = grpc.aio.server()
-            agent_pb2_grpc.add_AgentServiceServicer_to_server(
-                AgentServicer(types.SimpleNamespace(status=None), str(dst), TOKEN), server)
-            port = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            rep = Replicator("a", str(src), TOKEN, interval=0.01)
+            store = MemoryStore()
+            server, port, _ = await replica_server(str(dst), store, TOKEN)
+            claims = await registered(store, "a")
+            rep = Replicator("a", str(src), TOKEN, claims, interval=0.01)
             rep.set_peers([f"127.0.0.1:{port}"])
             try:
                 for step in (1, 2):  # two saves: both slots and both indexes exist

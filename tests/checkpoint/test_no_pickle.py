@@ -9,8 +9,7 @@ import base64
 import json
 import os
 import pickle
-import types
-import zlib
+import hashlib
 
 import grpc
 import grpc.aio
@@ -18,12 +17,14 @@ import pytest
 import torch
 
 from ftrt.auth import JobToken
-from ftrt.agents.peers.service import AgentServicer
+from ftrt.agents.peers.claims import Claim
 from ftrt.checkpoint import Checkpointer, memtier, skeleton
 from ftrt.checkpoint.memindex import BadIndex, check_index
 from ftrt.checkpoint.storage import step_dir
 from ftrt.errors import ConfigError
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
+from ftrt.store.memory import MemoryStore
+from tests.agents.replicas import registered, replica_server
 from tests.checkpoint.test_checkpointer import fresh_state, make_state, same_params
 
 
@@ -125,20 +126,20 @@ def test_a_replica_carrying_a_pickle_or_a_path_outside_its_folder_is_refused_ove
     mem, marker = tmp_path / "mem", tmp_path / "pwned"
     mem.mkdir()
     token = JobToken("7" * 64)
+    store = MemoryStore()
 
     def chunk(source: str, idx: dict) -> agent_pb2.ReplicaChunk:
         return agent_pb2.ReplicaChunk(source_node=source, rank=idx["rank"], step=idx["step"],
                                       index_json=json.dumps(idx), data=b"\0" * idx["size"])
 
-    def trailer(data: bytes) -> agent_pb2.ReplicaChunk:
-        return agent_pb2.ReplicaChunk(crc32=f"{zlib.crc32(data):08x}")
+    def sha(header: agent_pb2.ReplicaChunk, data: bytes) -> str:
+        return hashlib.sha256(header.index_json.encode() + data).hexdigest()
+
+    def trailer(header: agent_pb2.ReplicaChunk, data: bytes) -> agent_pb2.ReplicaChunk:
+        return agent_pb2.ReplicaChunk(sha256=sha(header, data))
 
     async def put(*c: agent_pb2.ReplicaChunk) -> grpc.StatusCode:
-        server = grpc.aio.server()
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentServicer(types.SimpleNamespace(status=None), str(mem), token), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port, _ = await replica_server(str(mem), store, token)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = agent_pb2_grpc.AgentServiceStub(channel)
@@ -161,10 +162,18 @@ def test_a_replica_carrying_a_pickle_or_a_path_outside_its_folder_is_refused_ove
     assert asyncio.run(put(too_long)) == grpc.StatusCode.INVALID_ARGUMENT
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert written == [], written  # nothing stored anywhere, inside the memory folder or out
-    assert asyncio.run(put(chunk("peer", index()))) == grpc.StatusCode.INVALID_ARGUMENT  # no checksum
-    assert asyncio.run(put(chunk("peer", index()), trailer(b"\1" * 64))) == grpc.StatusCode.INVALID_ARGUMENT  # damaged
+    good = chunk("peer", index())
+    assert asyncio.run(put(good)) == grpc.StatusCode.INVALID_ARGUMENT  # no checksum
+    assert asyncio.run(put(good, trailer(good, b"\1" * 64))) == grpc.StatusCode.INVALID_ARGUMENT  # damaged
+    assert asyncio.run(put(good, trailer(good, b"\0" * 64))) == grpc.StatusCode.PERMISSION_DENIED  # nobody claimed it
     assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()] == []
-    assert asyncio.run(put(chunk("peer", index()), trailer(b"\0" * 64))) == grpc.StatusCode.OK  # a good one goes
+
+    async def claim() -> None:
+        book = await registered(store, "peer")
+        await book.publish(0, Claim(step=4, round=1, world=2, size=64, sha256=sha(good, b"\0" * 64)))
+
+    asyncio.run(claim())
+    assert asyncio.run(put(good, trailer(good, b"\0" * 64))) == grpc.StatusCode.OK  # its owner's: it goes
     assert memtier.scan(str(mem))[0]["step"] == 4
     assert not marker.exists()
 
