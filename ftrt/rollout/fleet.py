@@ -8,6 +8,9 @@ calls: :meth:`Fleet.publish` (a new weight version, pushed to every live server)
 
 In the background a pump, several times a second:
 
+- claims in etcd every version it may push, with its digest, under a lease of its own
+  (:mod:`ftrt.rollout.claims`: a server takes only a claimed version), and pushes a version only
+  once it is claimed;
 - reads the servers' records in etcd (a server appears when it registers, goes when its lease
   does) and pushes each usable server every version the ledger still needs, newest first;
 - sends waiting groups to the least-loaded server that holds their version (:func:`route`);
@@ -35,6 +38,7 @@ import torch
 from ftrt.auth import job_token
 from ftrt.errors import FtrtError, StoreError
 from ftrt.jobkeys import JobKeys
+from ftrt.rollout.claims import VersionClaims
 from ftrt.rollout.ledger import GroupKey, Ledger, ServerView, next_push, route
 from ftrt.rollout.records import ServerRecord
 from ftrt.rollout.server import MAX_MESSAGE
@@ -118,6 +122,8 @@ class Fleet:
         self._foreign: set[str] = set()
         """Servers of another policy spec (warned about once)."""
         self._closing: set[asyncio.Task] = set()
+        self._claiming: asyncio.Task | None = None
+        """The write of the claims in progress (one at a time)."""
         self.error: Exception | None = None
         self._starved_since: float | None = None
         self._closed = False
@@ -129,6 +135,7 @@ class Fleet:
         try:
             self.token = self._run(job_token(self._store, self.keys))
             self._run(self._store.put(self.keys.rollout_spec, spec.encode(), timeout=5.0))
+            self._claims = self._run(VersionClaims.start(self._store, self.keys))
         except BaseException:
             self.close()
             raise
@@ -200,6 +207,12 @@ class Fleet:
         for s in list(self.servers.values()):
             self._drop(s, "fleet closed")
         await asyncio.gather(*self._closing, return_exceptions=True)
+        if self._claiming is not None:
+            self._claiming.cancel()
+            await asyncio.gather(self._claiming, return_exceptions=True)
+        claims = getattr(self, "_claims", None)
+        if claims is not None:
+            await claims.close()
 
     def _submit(self, step: int, prompt_ids: list[int], version: int) -> None:
         if version not in self.versions:
@@ -243,6 +256,7 @@ class Fleet:
             if now >= next_refresh:
                 await self._refresh()
                 next_refresh = time.monotonic() + REFRESH_S
+            self._claim()
             self._reconcile(now)
             self._dispatch(now)
             self._wake.clear()
@@ -349,7 +363,25 @@ class Fleet:
         else:
             self._starved_since = None
 
+    def _claim(self) -> None:
+        """Claim every version the fleet may push now, unless etcd holds exactly those already."""
+        want = {v: out.digest for v, out in self.versions.items()}
+        if want == self._claims.claimed or (self._claiming is not None and not self._claiming.done()):
+            return
+        self._claiming = asyncio.get_running_loop().create_task(self._write_claims(want))
+
+    async def _write_claims(self, want: dict[int, str]) -> None:
+        try:
+            await self._claims.publish(want)
+        except StoreError as exc:
+            log.warning("cannot claim weight versions %s in etcd (%s); their pushes wait", sorted(want), exc)
+            await asyncio.sleep(0.5)
+        finally:
+            self._wake.set()
+
     def _next_version(self, s: _Server, needed: list[int]) -> int | None:
+        if self._claims.claimed != {v: out.digest for v, out in self.versions.items()}:
+            return None  # a version is not claimed yet (a moment after publish): its servers would refuse it
         held = {v for v, d in s.versions.items() if v in self.versions and self.versions[v].digest == d}
         return next_push(s.record.max_versions, held, needed, self.ledger.needed_versions() & set(self.versions))
 

@@ -3,7 +3,8 @@
 Its life: read the job's token and wait for the trainer's policy spec in etcd; build the engine;
 serve ``ftrt.v1.RolloutService`` on a port; register ``/ftrt/<job>/rollout/servers/<id>`` under
 a lease (address, engine, the weight version it holds) and keep it alive. Pushes and generation
-need the job's token. When the lease is lost (etcd unreachable, the process frozen past the TTL)
+need the job's token, and a push is applied only if the trainer claimed its version and digest
+in etcd (:mod:`ftrt.rollout.claims`). When the lease is lost (etcd unreachable, the process frozen past the TTL)
 the server **fences** itself: it answers no Generate until it has registered again under a fresh
 lease, so a trainer that gave up on it never gets a late answer from it for new work.
 
@@ -23,6 +24,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import grpc
 import grpc.aio
@@ -32,6 +34,7 @@ from ftrt.auth import JobToken, job_token, require_token
 from ftrt.store.concurrency import Session
 from ftrt.errors import ConfigError, StoreError
 from ftrt.jobkeys import JobKeys, check_id
+from ftrt.rollout import claims
 from ftrt.rollout.engine import BuiltinEngine
 from ftrt.rollout.records import ServerRecord
 from ftrt.policy.spec import PolicySpec, decode_spec
@@ -53,12 +56,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     """Answers for one server: generation with the version it holds, pushes from token holders."""
 
     def __init__(self, server_id: str, job_id: str, engine: BuiltinEngine, token: JobToken,
-                 on_version) -> None:
+                 on_version, claimed: Callable[[int, str], Awaitable[str | None]]) -> None:
         self.server_id = server_id
         self.job_id = job_id
         self.engine = engine
         self.token = token
         self.on_version = on_version
+        self.claimed = claimed
+        """Why a pushed (version, digest) is not one the trainer claims, or None (:mod:`ftrt.rollout.claims`)."""
+        self.refused = 0
+        """Pushes refused since the server started."""
         self.fenced = True  # until registered
         self.served = 0
         self.generating_since = 0.0
@@ -132,8 +139,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     asm.feed(msg)
                 tensors = asm.result()
             except PushRefused as exc:
+                self.refused += 1
                 log.warning("weight push refused (versions held still %s): %s", sorted(self.engine.versions), exc)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            why = await self.claimed(asm.version, asm.digest)
+            if why is not None:
+                self.refused += 1
+                log.warning("weight push of version %d (%s) refused, not the trainer's (versions held still %s): %s",
+                            asm.version, asm.digest[:12], sorted(self.engine.versions), why)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"Rollout server {self.server_id} refused version {asm.version}: {why}.")
             try:
                 apply_s = await asyncio.get_running_loop().run_in_executor(
                     None, self.engine.apply, asm.version, asm.digest, tensors, asm.keep_from)
@@ -261,7 +276,8 @@ class Registration:
 async def _serve(ns: argparse.Namespace, store: Store, keys: JobKeys, server_id: str, engine, token: JobToken) -> None:
     """Serve ``engine`` on a port and keep this server registered until stopped."""
     registration: Registration
-    servicer = RolloutServicer(server_id, ns.job_id, engine, token, on_version=lambda: registration.publish())
+    servicer = RolloutServicer(server_id, ns.job_id, engine, token, on_version=lambda: registration.publish(),
+                               claimed=lambda version, digest: claims.check(store, keys, version, digest))
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE),
                                       ("grpc.max_send_message_length", MAX_MESSAGE)])
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)

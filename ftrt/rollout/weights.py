@@ -1,18 +1,18 @@
-"""Weight pushes on the wire: raw tensor bytes with dtype, shape and CRC-32, never a pickle.
+"""Weight pushes on the wire: raw tensor bytes with dtype, shape and SHA-256, never a pickle.
 
-:class:`Outgoing` takes a trainer's state dict apart once per version (one CRC-32 per tensor and
-a digest over all of them, which names the version's contents); :func:`chunks` streams it as
-``WeightChunk`` messages. On the server, :class:`Assembler` checks every message against the
-tensors its policy expects (names, dtypes, shapes, sizes) and every tensor's CRC-32 before it
-hands out anything: a push that is truncated, corrupt or of another model raises
-:class:`PushRefused`, and the server stays on the version it had.
+:class:`Outgoing` takes a trainer's state dict apart once per version (one SHA-256 per tensor and
+a digest over all of them, which names the version's contents: no other bytes have it);
+:func:`chunks` streams it as ``WeightChunk`` messages. On the server, :class:`Assembler` checks
+every message against the tensors its policy expects (names, dtypes, shapes, sizes) and every
+tensor's SHA-256 before it hands out anything: a push that is truncated, corrupt or of another
+model raises :class:`PushRefused`, and the server stays on the version it had. Whether the
+trainer made that version is :mod:`ftrt.rollout.claims`' question.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
@@ -48,7 +48,7 @@ class TensorBytes:
     dtype: str
     shape: tuple[int, ...]
     data: memoryview
-    crc32: int
+    sha256: bytes
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -57,16 +57,17 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def digest_of(entries: list[tuple[str, str, tuple[int, ...], int]]) -> str:
-    """A version's identity: SHA-256 over each tensor's name, dtype, shape and CRC-32."""
+def digest_of(entries: list[tuple[str, str, tuple[int, ...], bytes]]) -> str:
+    """A version's identity: SHA-256 over each tensor's name, dtype, shape and SHA-256 (64 hex
+    digits: a forged push cannot match it with other bytes)."""
     h = hashlib.sha256()
-    for name, dtype, shape, crc in entries:
-        h.update(f"{name}|{dtype}|{','.join(map(str, shape))}|{crc:08x}\n".encode())
-    return h.hexdigest()[:32]
+    for name, dtype, shape, sha in entries:
+        h.update(f"{name}|{dtype}|{','.join(map(str, shape))}|{sha.hex()}\n".encode())
+    return h.hexdigest()
 
 
 class Outgoing:
-    """One weight version taken apart for pushing: a snapshot of its bytes, CRC-32s and the digest."""
+    """One weight version taken apart for pushing: a snapshot of its bytes, SHA-256s and the digest."""
 
     def __init__(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
         self.version = version
@@ -74,14 +75,14 @@ class Outgoing:
         tensors = []
         for name, t in state.items():
             data = _raw(t.detach().cpu())
-            tensors.append(TensorBytes(name, dtype_name(t.dtype), tuple(t.shape), data, zlib.crc32(data)))
+            tensors.append(TensorBytes(name, dtype_name(t.dtype), tuple(t.shape), data, hashlib.sha256(data).digest()))
         self.tensors = tensors
-        self.digest = digest_of([(t.name, t.dtype, t.shape, t.crc32) for t in tensors])
+        self.digest = digest_of([(t.name, t.dtype, t.shape, t.sha256) for t in tensors])
         self.nbytes = sum(t.data.nbytes for t in tensors)
 
 
 def chunks(out: Outgoing, keep_from: int, piece: int = PIECE) -> Iterator[rollout_pb2.WeightChunk]:
-    """The push as messages: a header, each tensor in pieces (its last with the CRC-32), a commit."""
+    """The push as messages: a header, each tensor in pieces (its last with the SHA-256), a commit."""
     yield rollout_pb2.WeightChunk(version=out.version, digest=out.digest, tensors=len(out.tensors),
                                   keep_from=keep_from)
     for t in out.tensors:
@@ -91,7 +92,7 @@ def chunks(out: Outgoing, keep_from: int, piece: int = PIECE) -> Iterator[rollou
             last = off + piece >= n
             yield rollout_pb2.WeightChunk(name=t.name, dtype=t.dtype, shape=t.shape,
                                           data=bytes(t.data[off:off + piece]), last_piece=last,
-                                          crc32=t.crc32 if last else 0)
+                                          sha256=t.sha256 if last else b"")
     yield rollout_pb2.WeightChunk(commit=True)
 
 
@@ -124,7 +125,7 @@ class Assembler:
         self.keep_from = 0
         self.count = -1
         self.done: dict[str, torch.Tensor] = {}
-        self.crcs: list[tuple[str, str, tuple[int, ...], int]] = []
+        self.sums: list[tuple[str, str, tuple[int, ...], bytes]] = []
         self._name = ""
         self._buf = bytearray()
         self.received = 0
@@ -168,13 +169,13 @@ class Assembler:
             return
         if len(self._buf) != want.nbytes:
             raise PushRefused(f"The push ended tensor {name!r} after {len(self._buf)} of its {want.nbytes} bytes.")
-        crc = zlib.crc32(self._buf)
-        if crc != msg.crc32:
-            raise PushRefused(f"Tensor {name!r} arrived with CRC-32 {crc:08x}, not the {msg.crc32:08x} it was sent "
-                              "with: corrupted on the way.")
+        sha = hashlib.sha256(self._buf).digest()
+        if sha != msg.sha256:
+            raise PushRefused(f"Tensor {name!r} arrived with SHA-256 {sha.hex()[:16]}, not the {msg.sha256.hex()[:16]} "
+                              "it was sent with: corrupted on the way.")
         t = torch.frombuffer(self._buf, dtype=torch.uint8) if want.nbytes else torch.empty(0, dtype=torch.uint8)
         self.done[name] = t.view(DTYPES[want.dtype]).reshape(want.shape)
-        self.crcs.append((name, want.dtype, want.shape, crc))
+        self.sums.append((name, want.dtype, want.shape, sha))
         self._name, self._buf = "", bytearray()
 
     def _commit(self) -> None:
@@ -183,7 +184,7 @@ class Assembler:
         missing = sorted(set(self.expected) - set(self.done))
         if missing:
             raise PushRefused(f"The push committed without {len(missing)} tensor(s), e.g. {missing[0]!r}.")
-        digest = digest_of(self.crcs)
+        digest = digest_of(self.sums)
         if digest != self.digest:
             raise PushRefused(f"The push's tensors add up to digest {digest}, not the {self.digest} announced.")
         self.committed = True

@@ -13,6 +13,7 @@ import sys
 
 import grpc
 import pytest
+import torch
 
 from ftrt.auth import JobToken
 from ftrt.v1 import rollout_pb2, rollout_pb2_grpc
@@ -101,8 +102,11 @@ def test_no_server_fails_with_a_clear_error_instead_of_hanging(tmp_path, etcd_en
     assert "Traceback" not in out
 
 
-def test_pushes_need_the_token_and_a_bad_push_changes_nothing(tmp_path, etcd_endpoint, job_id):
-    """A rogue client, then a corrupt push: the server keeps serving the version it had."""
+def test_pushes_need_the_token_and_a_bad_push_changes_nothing(tmp_path, reference, etcd_endpoint, job_id):
+    """A rogue client, a corrupt push, then (attack 5 of issue 32) a complete, well-formed push with
+    the job's token of the trainer's next version with every weight zeroed: the server keeps
+    serving the versions it had, never holds the forged one, and the run is bit for bit the
+    fault-free one."""
     holder = {}
 
     def faults(servers, metrics):
@@ -114,15 +118,22 @@ def test_pushes_need_the_token_and_a_bad_push_changes_nothing(tmp_path, etcd_end
         from ftrt.rollout.records import ServerRecord
         from ftrt.store.etcd import EtcdStore
 
+        from ftrt.policy.spec import decode_spec
+        from ftrt.rollout.engine import BuiltinEngine
+        from ftrt.rollout.weights import DTYPES, Outgoing, chunks
+
         async def look():
             store = EtcdStore(etcd_endpoint)
             try:
                 kv, _ = await store.get(JobKeys(job_id).rollout_server(servers[0].server_id))
-                return ServerRecord.decode(kv.value), await job_token(store, JobKeys(job_id))
+                spec, _ = await store.get(JobKeys(job_id).rollout_spec)
+                return ServerRecord.decode(kv.value), await job_token(store, JobKeys(job_id)), decode_spec(spec.value, "etcd")
             finally:
                 await store.close()
 
-        rec, token = asyncio.run(look())
+        rec, token, spec = asyncio.run(look())
+        zeroed = {name: torch.zeros(want.shape, dtype=DTYPES[want.dtype])
+                  for name, want in BuiltinEngine(spec).expected.items()}
         with grpc.insecure_channel(rec.addr) as ch:
             stub = rollout_pb2_grpc.RolloutServiceStub(ch)
             before = stub.Info(rollout_pb2.InfoRequest())
@@ -131,12 +142,16 @@ def test_pushes_need_the_token_and_a_bad_push_changes_nothing(tmp_path, etcd_end
                 stub.PushWeights(iter([header, rollout_pb2.WeightChunk(commit=True)]))
             with pytest.raises(grpc.RpcError) as forged:
                 stub.PushWeights(iter([header, rollout_pb2.WeightChunk(commit=True)]), metadata=token.metadata())
+            nxt = max(before.held) + 1
+            with pytest.raises(grpc.RpcError) as whole:  # complete and well-formed: only the claims tell
+                stub.PushWeights(chunks(Outgoing(nxt, zeroed), keep_from=0), metadata=token.metadata())
             with pytest.raises(grpc.RpcError) as wrong_token:
                 stub.Generate(rollout_pb2.GenerateRequest(step=0, prompt_id=0, version=0),
                               metadata=JobToken("x" * 64).metadata())
             after = stub.Info(rollout_pb2.InfoRequest())
         holder.update(before=before, after=after, no_token=no_token.value.code(), forged=forged.value,
-                      wrong_token=wrong_token.value.code())
+                      wrong_token=wrong_token.value.code(), whole=whole.value, next=nxt,
+                      zeroed=Outgoing(nxt, zeroed).digest)
         wait_registered(servers)  # the trainer may start with one: a slow second one is listed once it is there
         status = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "status", "--etcd", etcd_endpoint,
                                  "--job-id", job_id], capture_output=True, text=True, timeout=60)
@@ -147,7 +162,12 @@ def test_pushes_need_the_token_and_a_bad_push_changes_nothing(tmp_path, etcd_end
     assert holder["wrong_token"] == grpc.StatusCode.UNAUTHENTICATED
     assert holder["forged"].code() == grpc.StatusCode.INVALID_ARGUMENT, holder["forged"].details()
     assert 999 not in holder["after"].held and holder["after"].held  # still serving real versions
-    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert holder["whole"].code() == grpc.StatusCode.PERMISSION_DENIED, holder["whole"].details()
+    assert "the weights were changed" in holder["whole"].details() or \
+        f"the trainer made no version {holder['next']}" in holder["whole"].details(), holder["whole"].details()
+    assert f"weight push of version {holder['next']} ({holder['zeroed'][:12]}) refused, not the trainer's" in \
+        servers[0].log()
+    assert exact(rows) == exact(reference)  # the reward curve is the fault-free one, bit for bit
     assert "rollout servers:" in holder["status"], holder["status"]
     for s in servers:  # `ftrt status` lists each server with the weight versions it holds
         assert f"{s.server_id}" in holder["status"] and "weight versions" in holder["status"]

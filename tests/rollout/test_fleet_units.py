@@ -49,7 +49,7 @@ def test_a_truncated_push_is_refused_and_nothing_is_handed_out():
         _feed_all(Assembler(expected_of(state)), [*msgs[:3], msgs[-1]])
 
 
-def test_a_corrupted_byte_is_caught_by_the_tensor_crc():
+def test_a_corrupted_byte_is_caught_by_the_tensor_sha256():
     state = _state()
     msgs = list(chunks(Outgoing(1, state), keep_from=0, piece=100_000))
     bad = rollout_pb2.WeightChunk()
@@ -58,7 +58,7 @@ def test_a_corrupted_byte_is_caught_by_the_tensor_crc():
     data[10] ^= 0x01
     bad.data = bytes(data)
     msgs[2] = bad
-    with pytest.raises(PushRefused, match="CRC-32"):
+    with pytest.raises(PushRefused, match="SHA-256"):
         _feed_all(Assembler(expected_of(state)), msgs)
 
 
@@ -77,7 +77,7 @@ def test_a_push_of_another_model_is_refused():
 def test_a_forged_digest_is_refused():
     state = _state()
     msgs = list(chunks(Outgoing(1, state), keep_from=0))
-    msgs[0] = rollout_pb2.WeightChunk(version=1, digest="0" * 32, tensors=len(state))
+    msgs[0] = rollout_pb2.WeightChunk(version=1, digest="0" * 64, tensors=len(state))
     with pytest.raises(PushRefused, match="digest"):
         _feed_all(Assembler(expected_of(state)), msgs)
 
@@ -156,3 +156,19 @@ def test_what_a_server_is_pushed_next_depends_on_how_many_versions_it_holds():
     assert next_push(1, {4}, [5, 4], {5}) == 5
     assert next_push(1, {5}, [5, 4], {5}) is None
     assert next_push(1, set(), [5], set()) == 5  # nothing waits: the newest, ready for what comes
+
+
+def test_a_push_is_judged_against_the_versions_the_trainer_claims():
+    from ftrt.rollout.claims import decode, encode, judge
+
+    real = Outgoing(3, _state()).digest
+    zeroed = Outgoing(3, {k: torch.zeros_like(v) for k, v in _state().items()}).digest
+    claimed = decode(encode({2: "e" * 64, 3: real}))
+    assert claimed == {2: "e" * 64, 3: real}
+    assert judge(claimed, 3, real) is None
+    assert "the weights were changed" in judge(claimed, 3, zeroed)
+    assert "the trainer made no version 4 (it claims 2, 3)" in judge(claimed, 4, real)
+    assert "claims no weight version" in judge(None, 3, real)
+    for bad in (b'{"versions": {"x": "00"}}', b'{"versions": {"1": "short"}}', b"[]"):
+        with pytest.raises(ValueError):
+            decode(bad)
