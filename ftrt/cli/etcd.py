@@ -9,7 +9,9 @@ this host find by the endpoint, so they need no flags; a process that cannot rea
 neither read nor write etcd (the job's token is there). ``--tls DIR`` puts the CA and certificates
 in DIR instead (:mod:`ftrt.store.certs`); ``--auth-user NAME`` also turns etcd's auth on, with NAME
 allowed to read and write ``/ftrt/``. ``--insecure`` serves plaintext to anyone who reaches the
-port. The command prints the ``--etcd*`` flags an agent on another host needs.
+port. The command prints the ``--etcd*`` flags an agent on another host needs; ``--cert-host NAME``
+puts the name those agents dial it by into its certificate (deploy/slurm/ftrt.sbatch: the head
+node's).
 """
 
 from __future__ import annotations
@@ -43,12 +45,17 @@ def etcd_main(argv: list[str]) -> int:
                         help=f"turn etcd's auth on with this user (read and write on /ftrt/); its password comes "
                              f"from ${ENV_PASSWORD} or --password-file (root's is written to DIR/root-password)")
     parser.add_argument("--password-file", default=None, metavar="FILE", help="file with --auth-user's password")
+    parser.add_argument("--cert-host", action="append", default=[], metavar="NAME",
+                        help="a host name or address clients on other hosts dial this etcd at, which its server "
+                             "certificate must name (repeatable; e.g. the node's name when --host is 0.0.0.0)")
     parser.add_argument("--insecure", action="store_true",
                         help="serve plaintext without client certificates: anyone who reaches the port can read "
                              "the job's token and join or rewrite the job (default: closed, see ftrt/store/localetcd.py)")
     args = parser.parse_args(argv)
     if args.insecure and (args.tls or args.auth_user):
         raise ConfigError("--insecure serves plaintext to anyone; it cannot go with --tls or --auth-user.")
+    if args.insecure and args.cert_host:
+        raise ConfigError("--cert-host names hosts in etcd's certificate, but --insecure serves plaintext without one.")
     if args.auth_user == "root":
         raise ConfigError("--auth-user root: etcd's root user is made for you (its password goes to DIR/root-password); "
                           "name the job's user something else.")
@@ -77,11 +84,11 @@ def etcd_main(argv: list[str]) -> int:
     if args.tls:
         from ftrt.store.certs import tls_dir
 
-        server.tls = tls_dir(args.tls, hosts=(args.host,))
+        server.tls = tls_dir(args.tls, hosts=(args.host, *args.cert_host))
     elif args.insecure:
         localetcd.forget(args.host, server.client_port)  # clients must not try credentials it ignores
     else:
-        server.tls = localetcd.make(args.host, server.client_port)
+        server.tls = localetcd.make(args.host, server.client_port, extra_hosts=args.cert_host)
     tls = server.tls
     stop = False
 

@@ -99,12 +99,19 @@ def tls_dir(directory: str | os.PathLike, clients: Sequence[str] = ("ftrt", "roo
         files.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
 
     def leaf(cert_path: Path, key_path: Path, cn: str, sans, usage) -> None:
-        if cert_path.exists() and key_path.exists():
-            return
+        if cert_path.exists() and key_path.exists() and set(sans) <= names_in(cert_path):
+            return  # kept, unless it lacks a name asked for now (another --cert-host)
         key = ec.generate_private_key(ec.SECP256R1())
         cert = issue(name(cn), key, ca_cert.subject, ca_key, sans=sans, usage=usage)
         write_key(key_path, key)
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    def names_in(cert_path: Path) -> set:
+        try:
+            cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+            return set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+        except (ValueError, x509.ExtensionNotFound):
+            return set()
 
     def san(host: str):
         try:

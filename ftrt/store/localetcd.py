@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from ftrt import envnames
 from ftrt.store.access import EtcdAccess
@@ -46,9 +46,11 @@ def folder(host: str, port: int, environ: Mapping[str, str] | None = None) -> Pa
     return state_dir(environ) / "etcd" / f"{name}-{int(port)}"
 
 
-def make(host: str, port: int, environ: Mapping[str, str] | None = None) -> TlsFiles:
-    """Make (or keep) the CA, server and client certificates of the etcd at ``host:port``."""
-    return tls_dir(folder(host, port, environ), clients=(CLIENT,), hosts=(host,))
+def make(host: str, port: int, environ: Mapping[str, str] | None = None, *,
+         extra_hosts: Sequence[str] = ()) -> TlsFiles:
+    """Make (or keep) the CA, server and client certificates of the etcd at ``host:port``, its
+    certificate also naming ``extra_hosts`` (names clients on other hosts dial it by)."""
+    return tls_dir(folder(host, port, environ), clients=(CLIENT,), hosts=(host, *extra_hosts))
 
 
 def forget(host: str, port: int, environ: Mapping[str, str] | None = None) -> None:

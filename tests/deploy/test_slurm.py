@@ -74,6 +74,9 @@ def test_the_sbatch_script_runs_a_two_node_job_with_its_own_etcd(tmp_path):
     lines = _steps(tmp_path / "p.jsonl")
     assert [x["step"] for x in lines] == list(range(30)) and {x["world"] for x in lines} == {2}
     assert "joined job 'slurm-4242' as node0" in res.stderr and "as node1" in res.stderr
+    assert "nothing tells etcd to refuse anyone" not in res.stderr  # its own etcd is closed: agents show a certificate
+    assert "etcd at https://127.0.0.1:" in res.stderr or "etcd https://127.0.0.1:" in res.stderr, res.stderr[-2000:]
+    assert not list(Path(os.environ["FTRT_STATE_DIR"]).glob("slurm-4242"))  # its credentials went with it
 
 
 def test_slurm_s_sigterm_before_the_time_limit_drains_every_node_and_the_job_ends_cleanly(tmp_path):

@@ -129,3 +129,22 @@ def test_the_credentials_of_an_endpoint_are_found_by_any_of_its_spellings(tmp_pa
     assert localetcd.find("127.0.0.1:4322", env) is None and localetcd.find("nonsense", env) is None
     localetcd.forget("localhost", 4321, env)
     assert localetcd.find("127.0.0.1:4321", env) is None
+
+
+def test_a_name_clients_on_other_hosts_dial_goes_into_etcds_certificate_kept_or_not(tmp_path):
+    """``ftrt etcd --cert-host NAME`` (the Slurm script's head node): the server certificate names
+    it, also when the folder already held a certificate without it (reissued under the same CA)."""
+    from cryptography import x509
+
+    def names(files) -> set[str]:
+        cert = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+        return {str(getattr(n.value, "exploded", n.value))
+                for n in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value}
+
+    env = {"FTRT_STATE_DIR": str(tmp_path)}
+    first = localetcd.make("0.0.0.0", 23790, env)
+    ca = first.ca.read_bytes()
+    assert "head-7" not in names(first) and "127.0.0.1" in names(first)
+    again = localetcd.make("0.0.0.0", 23790, env, extra_hosts=["head-7", "10.1.2.3"])
+    assert {"head-7", "10.1.2.3", "127.0.0.1"} <= names(again)
+    assert again.ca.read_bytes() == ca  # the clients' certificates stay valid
