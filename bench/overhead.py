@@ -55,11 +55,14 @@ class Variant:
     base: str | None = None
     """The variant this one takes a component away from (its cost is base's time over this one's)."""
     component: str = ""
+    etcd: str = "open"
+    """How the cluster's etcd admits clients (:data:`bench.recovery.ETCD_MODES`)."""
 
 
 MEM1 = {"checkpoint.memory_interval": 1}
 VARIANTS: dict[str, Variant] = {
     "ftrt": Variant(),
+    "ftrt-closed": Variant(etcd="closed"),
     "ftrt-nohb": Variant(off="heartbeat", base="ftrt", component="heartbeats"),
     "ftrt-nofence": Variant(off="fence", base="ftrt", component="fence watchdog"),
     "ftrt-nowarm": Variant(launch=("--no-warm",), base="ftrt", component="spare workers"),
@@ -95,7 +98,7 @@ def run_one(system: str, *, steps: int, warmup: int, ckpt_every: int, grpo: dict
     overrides = {**grpo, "steps": steps, "metrics_path": str(metrics), "checkpoint.url": str(work / "ckpt"),
                  "checkpoint.interval": ckpt_every, **variant.grpo}
     c = Cluster("torchrun" if system == "torchrun" else "ftrt", work, nnodes="2", launch_extra=variant.launch,
-                env_extra={"FTRT_DIAG_OFF": variant.off} if variant.off else None)
+                env_extra={"FTRT_DIAG_OFF": variant.off} if variant.off else None, etcd=variant.etcd)
     warm_at = None
     next_warm_check = 0.0
     never_warm = "--no-warm" in c.launch_extra  # no spares to ask about

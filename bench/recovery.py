@@ -76,12 +76,16 @@ LOG_ROOT = ROOT / "bench" / "results" / "logs"
 CAP = 90.0  # seconds a recovery may take before the run is recorded as "no recovery"
 
 
+ETCD_MODES = ("open", "closed", "tls-auth")
+"""How a bench cluster's etcd admits clients (:class:`Cluster`)."""
+
+
 class Cluster:
     """Nodes of one system (ftrt or torchrun) sharing a step log."""
 
     def __init__(self, system: str, work: Path, *, nnodes: str = "2:3", torchrun_conf: str = TORCHRUN_BEST,
                  workload: str = "ddp", max_restarts: int = 10, launch_extra: tuple[str, ...] = (),
-                 env_extra: dict[str, str] | None = None, etcd_tls_auth: bool = False,
+                 env_extra: dict[str, str] | None = None, etcd: str = "open",
                  script_extra: tuple[str, ...] = ()):
         self.system = system
         self.script_extra = script_extra
@@ -101,13 +105,20 @@ class Cluster:
             self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         self._etcd: EtcdServer | None = None
         if system == "ftrt":
-            # etcd_tls_auth: TLS with client certificates and etcd's auth on, as production runs it.
+            # etcd (ETCD_MODES): open; closed as ftrt etcd runs it by default (TLS, client
+            # certificates); or tls-auth, with etcd's auth on too, as production runs it.
+            if etcd not in ETCD_MODES:
+                raise ValueError(f"etcd={etcd!r}: choose from {ETCD_MODES}")
             self._etcd = EtcdServer(name="bench", unsafe_no_fsync=True,
-                                    tls=tls_dir(work / "tls") if etcd_tls_auth else None).start()
-            if etcd_tls_auth:  # and mutual TLS between the agents: TLS everywhere
+                                    tls=tls_dir(work / "tls") if etcd != "open" else None).start()
+            if etcd == "closed":
+                self.launch_extra += self._etcd.access().flags()
+            elif etcd == "tls-auth":  # and mutual TLS between the agents: TLS everywhere
                 files = tls_dir(work / "tls")
                 agents = AgentTls(str(files.server_cert), str(files.server_key), str(files.ca))
                 self.launch_extra += [*self._etcd.secure_access(work, "bench").flags(), *agents.flags()]
+            else:
+                self.launch_extra.append("--insecure-etcd")
         else:
             self._port = free_port()
 
@@ -183,8 +194,9 @@ def _train(c: Cluster, names: list[str], steps: int, *, warm: bool = True) -> No
     time.sleep(1.0)  # a stretch of steady training before the fault
 
 
-SYSTEMS = ("ftrt", "ftrt-inplace", "ftrt-tls", "torchrun", "torchft")
-"""What ``--systems`` may name."""
+SYSTEMS = ("ftrt", "ftrt-inplace", "ftrt-closed", "ftrt-tls", "torchrun", "torchft")
+"""What ``--systems`` may name: ``ftrt-closed`` is ftrt's defaults (in place, etcd closed as ``ftrt
+etcd`` runs it), to hold against ``ftrt-inplace`` (the same on an open etcd)."""
 
 
 def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, workload: str = "ddp",
@@ -192,14 +204,16 @@ def measure(system: str, scenario: str, *, torchrun_conf: str = TORCHRUN_BEST, w
     """Run one scenario once on a fresh cluster; return its measurements (seconds)."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-{system}-{scenario}-"))
     extra = (*(DRAIN_SCRIPT if scenario.startswith("drain") else ()), *(("--compile",) if compile else ()),
-             *(("--in-place",) if system == "ftrt-inplace" else ("--no-in-place",) if system != "torchft" else ()))
+             *(("--in-place",) if system in ("ftrt-inplace", "ftrt-closed") else ("--no-in-place",)
+               if system != "torchft" else ()))
     if system == "torchft":
         from bench.torchft_baseline import TorchftCluster
 
         c = TorchftCluster(work, workload=workload, script_extra=extra)
     else:
         c = Cluster("ftrt" if system.startswith("ftrt") else system, work, torchrun_conf=torchrun_conf,
-                    workload=workload, etcd_tls_auth=system == "ftrt-tls", script_extra=extra)
+                    workload=workload, script_extra=extra,
+                    etcd={"ftrt-tls": "tls-auth", "ftrt-closed": "closed"}.get(system, "open"))
     result: dict = {"system": system, "scenario": scenario, "workload": workload, "compiled": compile}
     try:
         if scenario in ("node_loss", "node_loss_rank0", "node_freeze"):
@@ -378,6 +392,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         i = entry.get("ftrt-inplace", {}).get("median_s")
         if i and f:
             entry["inplace_ratio"] = round(i / f, 3)  # in place over restarting every worker
+        c = entry.get("ftrt-closed", {}).get("median_s")
+        if i and c:
+            entry["closed_ratio"] = round(c / i, 3)  # the defaults (closed etcd) over the same on an open one
         ft = entry.get("torchft", {}).get("median_s")
         if i and ft:
             entry["torchft_ratio"] = round(ft / i, 2)  # torchft's time over ftrt in place's
@@ -406,6 +423,11 @@ def render(summary: list[dict]) -> str:
         if s.get("median_s") is not None:
             lines.append(f"{'':<4}ftrt with TLS everywhere (etcd TLS + auth, agent mTLS): {fmt(s['median_s'])} "
                          f"({fmt(s['min_s'])}-{fmt(s['max_s'])}), {e.get('tls_ratio', '-')}x ftrt without")
+        cl = e.get("ftrt-closed", {})
+        if cl.get("median_s") is not None:
+            lines.append(f"{'':<4}ftrt's defaults, etcd closed (TLS, client certificates): {fmt(cl['median_s'])} "
+                         f"({fmt(cl['min_s'])}-{fmt(cl['max_s'])}), {e.get('closed_ratio', '-')}x in place on an "
+                         "open etcd")
         ip = e.get("ftrt-inplace", {})
         if ip.get("median_s") is not None:
             lines.append(f"{'':<4}ftrt in place (survivors keep their processes): {fmt(ip['median_s'])} "
@@ -441,7 +463,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--systems", default="ftrt,torchrun",
                    help="comma-separated, of ftrt, ftrt-inplace (the script changes rounds in place: survivors "
                         "keep their processes), ftrt-tls (etcd over TLS with client certificates and auth, "
-                        "and mutual TLS between agents), torchrun and torchft (pip install -e '.[bench]'; "
+                        "and mutual TLS between agents), ftrt-closed (in place, etcd closed as ftrt etcd runs it: "
+                        "the defaults), torchrun and torchft (pip install -e '.[bench]'; "
                         "default ftrt,torchrun)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model, so that starting a worker costs what it costs with compiled graphs")

@@ -58,8 +58,8 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
     finally:
         await store.close()
     members = [n for n in nodes.values() if rnd and rnd.member(n.node_id)]
-    workers = await _agent_workers(members, token, agent_tls) if token is not None else {
-        n.node_id: [{"error": "the job has no token in etcd yet: its agents cannot be asked"}] for n in members}
+    workers, refused = await _agent_workers(members, token, agent_tls) if token is not None else ({
+        n.node_id: [{"error": "the job has no token in etcd yet: its agents cannot be asked"}] for n in members}, {})
     if job is not None:
         state = job.state
     elif rnd is None:
@@ -75,6 +75,7 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
         "decider": decider,
         "nodes": {nid: dataclasses.asdict(n) for nid, n in sorted(nodes.items())},
         "workers": workers,
+        "replicas_refused": refused,
         "latest_checkpoint": latest,
         "rollout_servers": rollout,
         "events": log,
@@ -98,22 +99,24 @@ async def _rollout_servers(store: EtcdStore, keys: JobKeys) -> list[dict]:
     return out
 
 
-async def _agent_workers(nodes: list[NodeRecord], token: JobToken, tls: AgentTls) -> dict[str, list[dict]]:
+async def _agent_workers(nodes: list[NodeRecord], token: JobToken,
+                         tls: AgentTls) -> tuple[dict[str, list[dict]], dict[str, int]]:
+    """Per node, its workers as its agent tells them, and how many memory replicas it refused."""
     from ftrt.agents.peers.service import status
 
     async def one(node: NodeRecord):
         try:
             resp = await status(node.agent_addr, token, timeout=1.0, tls=tls)
         except Exception as exc:  # an unreachable agent is part of the answer, not an error
-            return node.node_id, [{"error": f"agent unreachable: {type(exc).__name__}"}]
+            return node.node_id, [{"error": f"agent unreachable: {type(exc).__name__}"}], 0
         return node.node_id, [
             {"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid, "state": w.state,
              "step": w.step, "heartbeat_age_s": round(w.last_heartbeat_age_s, 2), "since_round": w.since_round}
             for w in resp.workers
-        ]
+        ], resp.replicas_refused
 
-    pairs = await asyncio.gather(*(one(n) for n in nodes))
-    return dict(pairs)
+    answers = await asyncio.gather(*(one(n) for n in nodes))
+    return {n: w for n, w, _ in answers}, {n: r for n, _, r in answers if r}
 
 
 def render(st: dict) -> str:
@@ -147,6 +150,9 @@ def render(st: dict) -> str:
                         f"         rank {w['rank']}: pid {w['pid']} {w['state']}, step {w['step']}, "
                         f"last heartbeat {w['heartbeat_age_s']} s ago{kept}"
                     )
+            if st.get("replicas_refused", {}).get(m["node_id"]):
+                lines.append(f"         refused {st['replicas_refused'][m['node_id']]} memory replica(s) its owner "
+                             "did not claim (see its log)")
     ck = st.get("latest_checkpoint")
     if ck:
         when = time.strftime("%H:%M:%S", time.localtime(ck["time"]))
