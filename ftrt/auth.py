@@ -19,12 +19,17 @@ to these lists, so an RPC added later is classified on purpose.
 from __future__ import annotations
 
 import hmac
+import logging
 import secrets
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ftrt.jobkeys import JobKeys
 from ftrt.errors import StoreError
 from ftrt.store.api import Compare, Get, Put, Store
+
+log = logging.getLogger(__name__)
 
 METADATA_KEY = "authorization"
 GUARDED = frozenset({"PutReplica", "Status", "Liveness"})
@@ -51,11 +56,39 @@ class JobToken:
         return hmac.compare_digest(shown.encode() if isinstance(shown, str) else bytes(shown), expected.encode())
 
 
-async def require_token(token: JobToken, context, message: str) -> None:
-    """Abort the gRPC call ``context`` with UNAUTHENTICATED and ``message`` unless it shows ``token``."""
+class RefusalLog:
+    """Log lines for calls refused for want of the token: one per caller host and call every
+    ``every`` seconds, with the count of those left out since (a flood must not flood the log)."""
+
+    def __init__(self, every: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every = every
+        self.clock = clock
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def note(self, peer: str, call: str) -> None:
+        host, _, port = peer.rpartition(":")  # "ipv4:127.0.0.1:5123": the caller's host, without its port
+        host = host if host and port.isdigit() else peer
+        key, now = (host, call), self.clock()
+        last, skipped = self._last.get(key, (-1e18, 0))
+        if now - last < self.every:
+            self._last[key] = (last, skipped + 1)
+            return
+        self._last[key] = (now, 0)
+        log.warning("refused %s from %s: it did not show the job's token%s", call, host,
+                    f" ({skipped} more refused since the last line)" if skipped else "")
+
+
+REFUSALS = RefusalLog()
+"""This process's refusal log lines (:func:`require_token`)."""
+
+
+async def require_token(token: JobToken, context, message: str, call: str = "a call") -> None:
+    """Abort the gRPC call ``context`` with UNAUTHENTICATED and ``message`` unless it shows
+    ``token``; a refusal is logged (:class:`RefusalLog`), naming ``call`` and the caller's host."""
     if not token.allows(context.invocation_metadata()):
         import grpc
 
+        REFUSALS.note(context.peer() or "an unknown caller", call)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
 

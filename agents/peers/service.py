@@ -66,16 +66,17 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             uptime_s=time.monotonic() - self.started,
         )
 
-    async def _authorize(self, context, what: str) -> None:
+    async def _authorize(self, context, call: str, what: str) -> None:
         """Abort the call with UNAUTHENTICATED unless it shows the job's token (:mod:`ftrt.auth`)."""
         await require_token(self.token, context, f"This call {what} and needs the job's token, which it did not "
-                            "show; the job's agents hold it, and ftrt status reads it from the job's etcd.")
+                            "show; the job's agents hold it, and ftrt status reads it from the job's etcd.",
+                            call=call)
 
     async def Health(self, request, context):
         return self._health(self.source.status())
 
     async def Status(self, request, context):
-        await self._authorize(context, "tells about the job's nodes and workers")
+        await self._authorize(context, "Status", "tells about the job's nodes and workers")
         st = self.source.status()
         rnd = st.current
         now = time.monotonic()
@@ -99,7 +100,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         )
 
     async def Liveness(self, request, context):
-        await self._authorize(context, "feeds a peer's death detection")
+        await self._authorize(context, "Liveness", "feeds a peer's death detection")
         interval = min(max(request.interval_s or 0.5, 0.05), 10.0)
         while True:
             st = self.source.status()
@@ -110,7 +111,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def PutReplica(self, request_iterator, context):
         from ftrt.agents.peers.replicator import receive_replica
 
-        await self._authorize(context, "stores a memory checkpoint on this node")
+        await self._authorize(context, "PutReplica", "stores a memory checkpoint on this node")
         try:
             return await receive_replica(self.mem_dir, request_iterator, self.gate, context.auth_context())
         except ReplicaRefused as exc:  # not what its owner claimed: logged and counted by the gate

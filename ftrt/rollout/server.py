@@ -73,12 +73,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrt-generate")
         self._push_lock = asyncio.Lock()
 
-    async def _authorize(self, context) -> None:
+    async def _authorize(self, context, call: str) -> None:
         await require_token(self.token, context, "This call needs the job's token, which it did not show; only "
-                            "the job's trainer holds it.")
+                            "the job's trainer holds it.", call=call)
 
     async def Generate(self, request, context):
-        await self._authorize(context)
+        await self._authorize(context, "Generate")
         if self.fenced:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"Rollout server {self.server_id} lost its lease and serves nothing until it has "
@@ -130,7 +130,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.generating_since = 0.0
 
     async def PushWeights(self, request_iterator, context):
-        await self._authorize(context)
+        await self._authorize(context, "PushWeights")
         async with self._push_lock:  # one push at a time; a second waits
             asm = Assembler(self.engine.expected)
             t0 = time.perf_counter()

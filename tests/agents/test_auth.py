@@ -20,17 +20,7 @@ from ftrt.v1 import agent_pb2, agent_pb2_grpc
 from ftrt.agents.peers import service
 from tests.agents.harness import FAST_WARM, Node, kill_at_rest, wait_until
 from tests.agents.test_agent_tls import job_token_of
-from tests.agents.test_claims import forged
-
-
-async def put_at(addr: str, stream: list[agent_pb2.ReplicaChunk], token: JobToken) -> tuple[grpc.StatusCode, str]:
-    """Send a replica stream to the agent at ``addr`` with ``token``; its status and details."""
-    async with grpc.aio.insecure_channel(addr) as channel:
-        try:
-            await agent_pb2_grpc.AgentServiceStub(channel).PutReplica(iter(stream), metadata=token.metadata(), timeout=10)
-            return grpc.StatusCode.OK, ""
-        except grpc.aio.AioRpcError as exc:
-            return exc.code(), exc.details()
+from tests.agents.test_claims import forge_replica_in_job
 
 WORKER = Path(__file__).parents[1] / "checkpoint" / "tier_worker.py"
 
@@ -114,13 +104,15 @@ def test_a_rogue_client_is_refused_by_a_running_job_whose_own_replication_goes_o
         for addr in addrs:
             assert rogue_calls(addr) == {f"{rpc}/{name}": grpc.StatusCode.UNAUTHENTICATED
                                          for rpc in GUARDED for name in ("none", "made-up")}
+        for n in nodes.values():  # attack 4: each refusal is said, once per caller and call (not per attempt)
+            for rpc in GUARDED:
+                assert wait_until(lambda: f"refused {rpc} from ipv4:127.0.0.1: it did not show the job's token"
+                                  in n.log(), 10, f"{n.node_id}'s line about the refused {rpc}")
         # Attack 2 of issue 32, with the job's real token: b's own checkpoint, its step raised by
         # 100000 and every byte zeroed, sent to a as b's replica. a refuses it: b never claimed it.
         a_addr = status["nodes"]["a"]["agent_addr"]
-        b_own = next(Path(d) for root in ("/dev/shm", "/tmp") for d in Path(root).glob(f"ftrt-mem-{nodes['b'].pid}-*"))
-        rank = int(next((b_own / "own").glob("rank-*")).name.split("-")[1])
         token = job_token_of(etcd_endpoint, job_id)
-        code, why = asyncio.run(put_at(a_addr, forged(b_own, rank, source="b", step_raise=100000), token))
+        code, why, rank = forge_replica_in_job(etcd_endpoint, job_id, victim="b", holder="a")
         assert code == grpc.StatusCode.PERMISSION_DENIED and "not step 1000" in why, (code, why)
         assert wait_until(lambda: f"refused a memory replica said to be node b's rank {rank}" in nodes["a"].log(), 10,
                           "a's log line about the refusal")
@@ -141,3 +133,21 @@ def test_a_rogue_client_is_refused_by_a_running_job_whose_own_replication_goes_o
     finally:
         for n in nodes.values():
             n.cleanup()
+
+
+def test_refusals_are_logged_once_per_caller_and_call_with_the_count_left_out(caplog):
+    from ftrt.auth import RefusalLog
+
+    now = [0.0]
+    refusals = RefusalLog(every=10.0, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="ftrt.auth"):
+        for _ in range(5):
+            refusals.note("ipv4:10.0.0.9:4411", "Status")
+        refusals.note("ipv4:10.0.0.9:4412", "PutReplica")  # another call: a line of its own
+        now[0] = 11.0
+        refusals.note("ipv4:10.0.0.9:4413", "Status")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["refused Status from ipv4:10.0.0.9: it did not show the job's token",
+                     "refused PutReplica from ipv4:10.0.0.9: it did not show the job's token",
+                     "refused Status from ipv4:10.0.0.9: it did not show the job's token (4 more refused since the "
+                     "last line)"], lines

@@ -164,3 +164,39 @@ def test_under_mutual_tls_a_node_can_only_send_its_own_checkpoints(tmp_path):
     assert own == (grpc.StatusCode.OK, ""), own
     assert refused == 1
     assert [m["step"] for m in memtier.scan(str(dst))] == [9]
+
+
+def forge_replica_in_job(etcd: str, job_id: str, victim: str, holder: str) -> tuple[grpc.StatusCode, str, int]:
+    """Attack 2 of issue 32 on a running job, as an attacker on the host with the job's token does
+    it: ``victim``'s own newest memory checkpoint (read from its node's memory directory), its
+    step raised by 100000 and every byte zeroed, sent to ``holder``'s agent as ``victim``'s
+    replica. Returns the call's status, its details and the rank forged."""
+    import os
+
+    from ftrt.auth import read_token
+    from ftrt.jobkeys import JobKeys
+    from ftrt.records import NodeRecord, decode
+    from ftrt.store.etcd import EtcdStore
+
+    async def main():
+        store = EtcdStore(etcd, timeout=5.0)
+        try:
+            keys = JobKeys(job_id)
+            records = {n: decode(NodeRecord, (await store.get(keys.node(n)))[0].value) for n in (victim, holder)}
+            token = await read_token(store, keys)
+        finally:
+            await store.close()
+        pid = records[victim].pid
+        roots = [Path("/dev/shm"), Path(os.environ.get("TMPDIR", "/tmp"))]
+        mem = next(d for root in roots for d in root.glob(f"ftrt-mem-{pid}-*"))
+        rank = int(next((mem / "own").glob("rank-*/current.json")).parent.name.split("-")[1])
+        channel = grpc.aio.insecure_channel(records[holder].agent_addr)
+        async with channel:
+            try:
+                await agent_pb2_grpc.AgentServiceStub(channel).PutReplica(
+                    iter(forged(mem, rank, source=victim, step_raise=100000)), metadata=token.metadata(), timeout=10)
+                return grpc.StatusCode.OK, "", rank
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details(), rank
+
+    return asyncio.run(main())

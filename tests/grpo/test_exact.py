@@ -13,10 +13,12 @@ import os
 import signal
 from pathlib import Path
 
+import grpc
 import pytest
 
 from ftrt.chaos.local import worker_pids
 from tests.agents.harness import FAST_WARM, Node, lose_node_b, wait_until
+from tests.agents.test_claims import forge_replica_in_job
 
 pytestmark = pytest.mark.slow
 
@@ -116,9 +118,20 @@ def test_a_lost_node_shrinks_the_world_and_trains_exactly_the_same_prompts(tmp_p
                                                                            recovery):
     args = job(tmp_path, "run", etcd_endpoint, job_id, "1:2", 1, first_round_wait=120,  # both in round 1
                recovery=recovery)
-    nodes, before = lose_node_b(tmp_path, args, etcd_endpoint, job_id,
-                                lambda: sum(x["world_size"] == 2 for x in lines(tmp_path / "run.jsonl")) >= 6,
-                                "6 steps at world size 2")
+    forged = []
+
+    def ready() -> bool:
+        """6 steps at world size 2; then, before b is killed, attack 2 of issue 32 with the job's token:
+        b's own memory checkpoint, its step raised by 100000 and zeroed, pushed to a as b's replica."""
+        if sum(x["world_size"] == 2 for x in lines(tmp_path / "run.jsonl")) < 6:
+            return False
+        forged.append(forge_replica_in_job(etcd_endpoint, job_id, victim="b", holder="a"))
+        return True
+
+    nodes, before = lose_node_b(tmp_path, args, etcd_endpoint, job_id, ready, "6 steps at world size 2")
+    code, why, rank = forged[0]
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "not step 1000" in why, forged
+    assert f"refused a memory replica said to be node b's rank {rank}" in nodes["a"].log()
     run = lines(tmp_path / "run.jsonl")
     assert [x["step"] for x in run] == list(range(STEPS)), "a step was skipped or repeated"
     assert [x["prompt_ids"] for x in run] == [x["prompt_ids"] for x in reference]
