@@ -73,6 +73,8 @@ class RefusalLog:
         if now - last < self.every:
             self._last[key] = (last, skipped + 1)
             return
+        if len(self._last) >= 1024:  # many hosts: forget the quiet ones rather than grow without bound
+            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.every}
         self._last[key] = (now, 0)
         log.warning("refused %s from %s: it did not show the job's token%s", call, host,
                     f" ({skipped} more refused since the last line)" if skipped else "")

@@ -151,8 +151,8 @@ def render(st: dict) -> str:
                         f"last heartbeat {w['heartbeat_age_s']} s ago{kept}"
                     )
             if st.get("replicas_refused", {}).get(m["node_id"]):
-                lines.append(f"         refused {st['replicas_refused'][m['node_id']]} memory replica(s) its owner "
-                             "did not claim (see its log)")
+                lines.append(f"         refused {st['replicas_refused'][m['node_id']]} memory replica(s) (its log says "
+                             "why: not what their owner claimed, an old copy, or the claims unreadable)")
     ck = st.get("latest_checkpoint")
     if ck:
         when = time.strftime("%H:%M:%S", time.localtime(ck["time"]))

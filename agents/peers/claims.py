@@ -26,12 +26,16 @@ dead).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import re
+import shutil
 from dataclasses import asdict, dataclass
-from typing import Callable, Mapping
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, NoReturn
 
 from ftrt.errors import StoreError
 from ftrt.jobkeys import JobKeys
@@ -43,12 +47,22 @@ KEPT = 4
 """Claims kept per rank: a replica in flight to one peer while the next checkpoint's claim is
 written for another still finds its own."""
 
+MAX_STREAMS = 8
+"""Replica streams a node takes at once. Each of its K replica predecessors sends one at a time,
+so only a caller flooding it with streams (each a file on the node's tmpfs until it is checked)
+meets this bound."""
+
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class ReplicaRefused(ValueError):
     """A replica that does not match what its owner claimed (or came from a caller who is not its
-    owner); nothing of it was stored."""
+    owner, or is older than the one held); nothing of it was stored."""
+
+
+class ReplicaBusy(Exception):
+    """A replica stream refused at its start: one of the same rank from the same node is already
+    arriving, too many streams are, or it would not fit in the node's memory directory."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +107,7 @@ class ClaimRecord:
         if not isinstance(body, dict) or not isinstance(body.get("claims"), list):
             raise ValueError("not a claim record")
         claims = []
-        for c in body["claims"][:KEPT]:
+        for c in body["claims"][-KEPT:]:  # the newest, as the writer keeps them
             if not isinstance(c, dict) or not _HEX64.fullmatch(str(c.get("sha256", ""))):
                 raise ValueError("a claim without a SHA-256")
             fields = {k: c.get(k) for k in ("step", "round", "world", "size")}
@@ -123,29 +137,36 @@ class ClaimBook:
         self.node_id = node_id
         self.host = host
         self.registration = registration
-        self._claims: dict[int, list[Claim]] = {}
+        self._claims: dict[int, tuple[int, list[Claim]]] = {}
+        """Per rank: the lease its claims are written under, and the claims."""
+        self._locks: dict[int, asyncio.Lock] = {}
 
     async def publish(self, rank: int, claim: Claim) -> None:
-        """Claim ``claim`` for ``rank`` (a no-op when it is claimed already). Raises
-        :class:`~ftrt.errors.StoreError` when etcd cannot take it or this node holds no
-        registration: the replica must not go then, as its receiver would refuse it."""
-        held = self._claims.get(rank, [])
-        if claim in held:
-            return
+        """Claim ``claim`` for ``rank`` (a no-op when it is claimed already under the node's live
+        lease). Raises :class:`~ftrt.errors.StoreError` when etcd cannot take it or this node holds
+        no registration: the replica must not go then, as its receiver would refuse it."""
         reg = self.registration()
         if reg is None:
             raise StoreError(f"node {self.node_id} holds no registration, so it cannot claim its checkpoints")
         lease = reg[0]
-        claims = [*(c for c in held if c != claim), claim][-KEPT:]
-        record = ClaimRecord(self.node_id, rank, self.host, tuple(claims))
-        node_key = self.keys.node(self.node_id)
-        res = await self.store.txn([Compare(node_key, "lease", "==", lease), Compare.exists(node_key)],
-                                   [Put(self.keys.mem_claim(self.node_id, rank), record.encode(), lease=lease)],
-                                   timeout=5.0)
-        if not res.succeeded:
-            raise StoreError(f"node {self.node_id}'s registration is no longer under lease {lease:#x}; "
-                             "its claims wait for the next one")
-        self._claims[rank] = claims
+        # One write at a time per rank: two links claiming two checkpoints of it at once would
+        # each write the list without the other's.
+        async with self._locks.setdefault(rank, asyncio.Lock()):
+            written_under, held = self._claims.get(rank, (0, []))
+            if written_under != lease:
+                held = []  # the claims went with the lease they were written under
+            if claim in held:
+                return
+            claims = [*(c for c in held if c != claim), claim][-KEPT:]
+            record = ClaimRecord(self.node_id, rank, self.host, tuple(claims))
+            node_key = self.keys.node(self.node_id)
+            res = await self.store.txn([Compare(node_key, "lease", "==", lease), Compare.exists(node_key)],
+                                       [Put(self.keys.mem_claim(self.node_id, rank), record.encode(), lease=lease)],
+                                       timeout=5.0)
+            if not res.succeeded:
+                raise StoreError(f"node {self.node_id}'s registration is no longer under lease {lease:#x}; "
+                                 "its claims wait for the next one")
+            self._claims[rank] = (lease, claims)
 
 
 def judge(source: str, rank: int, claim: Claim, record: ClaimRecord | None,
@@ -181,14 +202,52 @@ def cert_names(auth_context: Mapping[str, list[bytes]]) -> frozenset[str] | None
     return frozenset(n.decode(errors="replace") if isinstance(n, bytes) else str(n) for n in names)
 
 
-class ReplicaGate:
-    """The receiving agent's check of every replica (:func:`judge`), with a count of refusals."""
+def _free_bytes(path: str) -> int:
+    """Bytes free on the filesystem that holds ``path`` (or would: its nearest existing folder)."""
+    at = Path(path)
+    while not at.exists() and at.parent != at:
+        at = at.parent
+    return shutil.disk_usage(at).free
 
-    def __init__(self, store: Store, keys: JobKeys) -> None:
+
+class ReplicaGate:
+    """The receiving agent's check of every replica (:func:`judge`), with a count of refusals, and
+    its bound on the streams arriving at once (:meth:`stream`)."""
+
+    def __init__(self, store: Store, keys: JobKeys, max_streams: int = MAX_STREAMS) -> None:
         self.store = store
         self.keys = keys
+        self.max_streams = max_streams
         self.refused = 0
-        """Replicas refused since this agent started."""
+        """Replicas refused since this agent started (not matching a claim, from a caller that is
+        not their owner, older than the one held, or with their owner's claims unreadable)."""
+        self._arriving: set[tuple[str, int]] = set()
+
+    @contextlib.contextmanager
+    def stream(self, source: str, rank: int, size: int, mem_dir: str) -> Iterator[None]:
+        """Hold one arriving stream of ``source``'s rank ``rank`` (``size`` bytes), or raise
+        :class:`ReplicaBusy`: its owner sends one at a time, and a node takes :data:`MAX_STREAMS`
+        at once, none larger than what its memory directory has free."""
+        if (source, rank) in self._arriving:
+            raise ReplicaBusy(f"a replica of node {source}'s rank {rank} is already arriving; one at a time")
+        if len(self._arriving) >= self.max_streams:
+            raise ReplicaBusy(f"{len(self._arriving)} replica streams are arriving already; try again later")
+        free = _free_bytes(mem_dir)
+        if size > free:
+            raise ReplicaBusy(f"the replica of node {source}'s rank {rank} ({size} bytes) does not fit in the "
+                              f"{free} bytes free in this node's memory directory")
+        self._arriving.add((source, rank))
+        try:
+            yield
+        finally:
+            self._arriving.discard((source, rank))
+
+    def refuse(self, source: str, rank: int, claim: Claim, why: str) -> NoReturn:
+        """Count and log a refusal, and raise :class:`ReplicaRefused`."""
+        self.refused += 1
+        log.warning("refused a memory replica said to be node %s's rank %d (%s): %s", source, rank,
+                    claim.describe(), why)
+        raise ReplicaRefused(f"The replica of node {source}'s rank {rank} was refused: {why}.")
 
     async def admit(self, source: str, rank: int, claim: Claim, auth_context: Mapping[str, list[bytes]]) -> None:
         """Return if the replica may be stored; raise :class:`ReplicaRefused` (logged, counted) if not."""
@@ -201,11 +260,8 @@ class ReplicaGate:
         except ValueError as exc:
             why = f"node {source}'s claim record for rank {rank} is malformed ({exc})"
         if why is not None:
-            self.refused += 1
-            log.warning("refused a memory replica said to be node %s's rank %d (%s): %s", source, rank,
-                        claim.describe(), why)
-            raise ReplicaRefused(f"The replica of node {source}'s rank {rank} was refused: {why}.")
+            self.refuse(source, rank, claim, why)
 
 
-__all__ = ["Claim", "ClaimBook", "ClaimRecord", "KEPT", "ReplicaGate", "ReplicaRefused", "cert_names", "hasher",
-           "judge"]
+__all__ = ["Claim", "ClaimBook", "ClaimRecord", "KEPT", "MAX_STREAMS", "ReplicaBusy", "ReplicaGate", "ReplicaRefused",
+           "cert_names", "hasher", "judge"]

@@ -23,6 +23,7 @@ copy cost each agent 5-15 % of a core here (docs/benchmarks.md, overhead).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import json
 import logging
@@ -288,28 +289,43 @@ class _PeerLink:
         t0 = time.monotonic()
 
         index_json = json.dumps(index)
+        failed: list[Exception] = []
 
         async def chunks():
-            yield agent_pb2.ReplicaChunk(source_node=self.owner.node_id, rank=rank, step=index["step"],
-                                         index_json=index_json)
-            digest = hasher(index_json)
-            with open(path, "rb") as f:
-                sent = 0
-                while sent < index["size"]:
-                    data = await asyncio.to_thread(_read_hash, f, min(CHUNK, index["size"] - sent), digest)
-                    if not data:
-                        break
-                    sent += len(data)
-                    yield agent_pb2.ReplicaChunk(data=data)
-            # The slot must not have been reused while we read it, or the copy is torn.
-            if current_slot(directory) != index["slot"] and _previous_slot(directory) != index["slot"]:
-                raise ValueError(f"rank {rank}'s arena slot was reused during replication")
-            sha = digest.hexdigest()
-            await self.owner.claims.publish(rank, Claim(*key, size=sent, sha256=sha))
+            # An exception raised here would only cancel the call (grpc.aio logs it at debug level,
+            # and the caller gets a bare CancelledError): it is kept for _send to raise instead, and
+            # the stream ends without its checksum, which the receiver refuses.
+            try:
+                yield agent_pb2.ReplicaChunk(source_node=self.owner.node_id, rank=rank, step=index["step"],
+                                             index_json=index_json)
+                digest = hasher(index_json)
+                with open(path, "rb") as f:
+                    sent = 0
+                    while sent < index["size"]:
+                        data = await asyncio.to_thread(_read_hash, f, min(CHUNK, index["size"] - sent), digest)
+                        if not data:
+                            break
+                        sent += len(data)
+                        yield agent_pb2.ReplicaChunk(data=data)
+                # The slot must not have been reused while we read it, or the copy is torn.
+                if current_slot(directory) != index["slot"] and _previous_slot(directory) != index["slot"]:
+                    raise ValueError(f"rank {rank}'s arena slot was reused during replication")
+                sha = digest.hexdigest()
+                await self.owner.claims.publish(rank, Claim(*key, size=sent, sha256=sha))
+            except Exception as exc:  # noqa: BLE001 - raised by _send, once the call has ended
+                failed.append(exc)
+                return
             yield agent_pb2.ReplicaChunk(sha256=sha)
 
         stub = agent_pb2_grpc.AgentServiceStub(self._channel)
-        ack = await stub.PutReplica(chunks(), timeout=300, metadata=self.owner.token.metadata())
+        try:
+            ack = await stub.PutReplica(chunks(), timeout=300, metadata=self.owner.token.metadata())
+        except grpc.aio.AioRpcError:
+            if failed:
+                raise failed[0] from None  # why the stream ended short, not the receiver's refusal of it
+            raise
+        if failed:
+            raise failed[0]
         self.sent_bytes += ack.bytes
         self.sends[rank] = self.sends.get(rank, 0) + 1
         self.last_sent[rank] = index["step"]
@@ -366,11 +382,13 @@ async def receive_replica(mem_dir: str, request_iterator, gate: ReplicaGate,
     received = 0
     digest = None
     claimed: str | None = None
+    arriving = contextlib.ExitStack()
     try:
         async for chunk in request_iterator:
             if header is None:
                 header = chunk
                 directory, index = replica_dir(mem_dir, chunk)
+                arriving.enter_context(gate.stream(header.source_node, index["rank"], index["size"], mem_dir))
                 # Into a file of its own: a stream that is refused, torn or concurrent with another
                 # (a caller with the token may send one at any time) touches no slot until admitted.
                 path = private_dir(directory) / f".incoming-{uuid.uuid4().hex}"
@@ -398,12 +416,17 @@ async def receive_replica(mem_dir: str, request_iterator, gate: ReplicaGate,
             raise ValueError(f"the replica of rank {header.rank} step {header.step} "
                              + ("carried no checksum" if claimed is None else
                                 f"does not match its checksum (sent {claimed[:12]!r}, received {sha[:12]})"))
-        await gate.admit(header.source_node, index["rank"],
-                         Claim(index["step"], index["round"], index["world"], received, sha), auth_context)
+        claim = Claim(index["step"], index["round"], index["world"], received, sha)
+        await gate.admit(header.source_node, index["rank"], claim, auth_context)
+        held = _held_key(directory)
+        if held is not None and (index["round"], index["step"]) < held:
+            gate.refuse(header.source_node, index["rank"], claim, f"it is older than the replica held (step {held[1]} "
+                        f"of round {held[0]}): an old copy replayed would push the newer ones out")
         _install(directory, path, index)
         path = None
         return agent_pb2.ReplicaAck(bytes=received)
     finally:
+        arriving.close()
         if f is not None:
             f.close()
         if path is not None:  # a torn or refused stream leaves no bytes behind, nor a folder it made
@@ -413,6 +436,15 @@ async def receive_replica(mem_dir: str, request_iterator, gate: ReplicaGate,
                     folder.rmdir()
                 except OSError:
                     break  # not empty: it holds replicas
+
+
+def _held_key(directory: Path) -> tuple[int, int] | None:
+    """(round, step) of the newest replica held in ``directory``, or None."""
+    try:
+        held = json.loads((directory / "current.json").read_text())
+        return int(held["round"]), int(held["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _install(directory: Path, incoming: Path, index: dict) -> None:

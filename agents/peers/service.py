@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 
 from ftrt.auth import JobToken, require_token
-from ftrt.agents.peers.claims import ReplicaGate, ReplicaRefused
+from ftrt.agents.peers.claims import ReplicaBusy, ReplicaGate, ReplicaRefused
 from ftrt.agents.peers.tls import PLAINTEXT, AgentTls
 from ftrt.agents.workers.pool import Worker
 from ftrt.roster import LocalRound
@@ -116,6 +116,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             return await receive_replica(self.mem_dir, request_iterator, self.gate, context.auth_context())
         except ReplicaRefused as exc:  # not what its owner claimed: logged and counted by the gate
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except ReplicaBusy as exc:  # refused at its start: nothing was written
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:  # a bad name, index or size from the wire: nothing was stored
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:

@@ -103,6 +103,15 @@ class VersionClaims:
         await self.store.put(self.keys.rollout_versions, encode(versions), lease=self.session.lease_id, timeout=5.0)
         self.claimed = dict(versions)
 
+    def lapsed(self) -> bool:
+        """Whether the claims may be gone from etcd (their lease ran out or was lost): they are
+        written again before any push."""
+        return self.session.expired()
+
+    def forget(self) -> None:
+        """A server found no claim of ours: write them again before the next push."""
+        self.claimed = {}
+
     async def close(self) -> None:
         """Stop renewing and revoke the lease: the claims go at once."""
         await self.session.close()

@@ -366,7 +366,8 @@ class Fleet:
     def _claim(self) -> None:
         """Claim every version the fleet may push now, unless etcd holds exactly those already."""
         want = {v: out.digest for v, out in self.versions.items()}
-        if want == self._claims.claimed or (self._claiming is not None and not self._claiming.done()):
+        if (want == self._claims.claimed and not self._claims.lapsed()) or \
+                (self._claiming is not None and not self._claiming.done()):
             return
         self._claiming = asyncio.get_running_loop().create_task(self._write_claims(want))
 
@@ -380,7 +381,7 @@ class Fleet:
             self._wake.set()
 
     def _next_version(self, s: _Server, needed: list[int]) -> int | None:
-        if self._claims.claimed != {v: out.digest for v, out in self.versions.items()}:
+        if self._claims.claimed != {v: out.digest for v, out in self.versions.items()} or self._claims.lapsed():
             return None  # a version is not claimed yet (a moment after publish): its servers would refuse it
         held = {v for v, d in s.versions.items() if v in self.versions and self.versions[v].digest == d}
         return next_push(s.record.max_versions, held, needed, self.ledger.needed_versions() & set(self.versions))
@@ -415,6 +416,12 @@ class Fleet:
                 s.usable, s.why = True, ""
                 log.info("rollout server %s took version %d; back in routing", s.record.server_id, out.version)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED and out.version not in self.versions:
+                log.info("version %d was dropped while its push to %s was on its way (the server refused it, "
+                         "as the trainer no longer claims it)", out.version, s.record.server_id)
+                return
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                self._claims.forget()  # the server found no claim of ours: write them again before the next push
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._drop(s, f"unreachable during a push ({exc.details()})", dead=True)
             else:

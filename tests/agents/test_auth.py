@@ -119,7 +119,7 @@ def test_a_rogue_client_is_refused_by_a_running_job_whose_own_replication_goes_o
         assert asyncio.run(service.status(a_addr, token, timeout=5)).replicas_refused == 1
         shown = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "status", "--etcd", etcd_endpoint, "--job-id",
                                 job_id], capture_output=True, text=True, timeout=30).stdout
-        assert "refused 1 memory replica(s) its owner did not claim" in shown, shown
+        assert "refused 1 memory replica(s) (its log says why" in shown, shown
         # The job's own agents hold the token: a node's loss is restored from its peer's replica.
         killed_at = kill_at_rest(nodes["b"], nodes["a"], tmp_path / "hold", lambda: max(e["step"] for e in steps()))
         restore = wait_until(lambda: next((e for e in (json.loads(x) for x in log.read_text().splitlines())

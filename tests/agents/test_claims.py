@@ -200,3 +200,107 @@ def forge_replica_in_job(etcd: str, job_id: str, victim: str, holder: str) -> tu
                 return exc.code(), exc.details(), rank
 
     return asyncio.run(main())
+
+
+def test_a_claim_that_cannot_be_written_fails_that_copy_only_and_replication_goes_on(tmp_path, caplog):
+    """etcd refusing one claim (here: the node holds no registration for a moment, as while it
+    rejoins) fails that copy with the reason in the log; the next checkpoint still arrives."""
+    src, dst = tmp_path / "a", tmp_path / "b"
+
+    async def main():
+        store = MemoryStore()
+        server, port, _ = await replica_server(str(dst), store, TOKEN)
+        live = await registered(store, "a")
+        registration = [None]
+        book = ClaimBook(store, KEYS, "a", "127.0.0.1", lambda: registration[0])
+        rep = Replicator("a", str(src), TOKEN, book, interval=0.0)
+        try:
+            rep.set_peers([f"127.0.0.1:{port}"])
+            commit(src, 0, 1, sharded=True)
+            rep.notify(0)
+            await until(lambda: "holds no registration" in caplog.text, 10, "the failed copy's warning")
+            registration[0] = live.registration()
+            commit(src, 0, 2, sharded=True)
+            rep.notify(0)
+            await until(lambda: replica_step(dst, 0) == 2, 10, "the next checkpoint's replica")
+        finally:
+            await rep.close()
+            await server.stop(None)
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(main())
+    assert "replicating rank 0's memory checkpoint to" in caplog.text
+
+
+def test_claims_are_written_again_under_a_new_lease_and_two_at_once_both_land():
+    async def main():
+        store = MemoryStore()
+        lease = [(await store.grant_lease(60)).id]
+        await store.put(KEYS.node("b"), b"{}", lease=lease[0])
+        book = ClaimBook(store, KEYS, "b", "127.0.0.1", lambda: (lease[0], "i"))
+        first, second = Claim(5, 1, 2, 64, "1" * 64), Claim(6, 1, 2, 64, "2" * 64)
+        await asyncio.gather(book.publish(0, first), book.publish(0, second))  # two links at once
+        both = ClaimRecord.decode((await store.get(KEYS.mem_claim("b", 0)))[0].value).claims
+        await store.revoke_lease(lease[0])  # the node lost its lease and registered again
+        lease[0] = (await store.grant_lease(60)).id
+        await store.put(KEYS.node("b"), b"{}", lease=lease[0])
+        await book.publish(0, second)  # the same checkpoint, sent to a new peer after the rejoin
+        kv, _ = await store.get(KEYS.mem_claim("b", 0))
+        return both, kv
+
+    both, kv = asyncio.run(main())
+    assert set(both) == {Claim(5, 1, 2, 64, "1" * 64), Claim(6, 1, 2, 64, "2" * 64)}
+    assert kv is not None and ClaimRecord.decode(kv.value).claims == (Claim(6, 1, 2, 64, "2" * 64),)
+
+
+def test_an_old_claimed_copy_replayed_is_refused_and_streams_are_bounded(tmp_path):
+    """A caller with the token and a node's old arena bytes (claimed, so they pass the claim check)
+    cannot push the newer replica out; nor can it hold more than one stream of a rank, or a
+    stream larger than the node's free memory, open."""
+    src, dst = tmp_path / "a", tmp_path / "b"
+
+    async def main():
+        store = MemoryStore()
+        server, port, servicer = await replica_server(str(dst), store, TOKEN)
+        rep = Replicator("a", str(src), TOKEN, await registered(store, "a"), interval=0.0)
+        try:
+            rep.set_peers([f"127.0.0.1:{port}"])
+            commit(src, 0, 3, sharded=True)
+            rep.notify(0)
+            await until(lambda: replica_step(dst, 0) == 3, 10, "step 3's replica")
+            old = forged(src, 0, zero=False)  # step 3, as claimed
+            for step in (4, 5):
+                commit(src, 0, step, sharded=True)
+                rep.notify(0)
+                await until(lambda: replica_step(dst, 0) == step, 10, f"step {step}'s replica")
+            replayed = await put(port, old)
+            huge = json.loads(old[0].index_json)
+            huge["size"] = 1 << 60
+            endless = [agent_pb2.ReplicaChunk(source_node="a", rank=0, step=huge["step"], index_json=json.dumps(huge))]
+            too_big = await put(port, endless)
+            return replayed, too_big, servicer.gate.refused
+        finally:
+            await rep.close()
+            await server.stop(None)
+
+    replayed, too_big, refused = asyncio.run(main())
+    assert replayed[0] == grpc.StatusCode.PERMISSION_DENIED and "older than the replica held" in replayed[1], replayed
+    assert too_big[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "does not fit" in too_big[1], too_big
+    assert refused == 1
+    assert sorted(m["step"] for m in memtier.scan(str(dst))) == [4, 5]
+
+
+def test_one_stream_of_a_rank_at_a_time_and_a_bound_on_all(tmp_path):
+    from ftrt.agents.peers.claims import ReplicaBusy
+
+    gate = ReplicaGate(MemoryStore(), KEYS, max_streams=2)
+    with gate.stream("a", 0, 64, str(tmp_path)):
+        with pytest.raises(ReplicaBusy, match="already arriving"):
+            with gate.stream("a", 0, 64, str(tmp_path)):
+                pass
+        with gate.stream("a", 1, 64, str(tmp_path)):
+            with pytest.raises(ReplicaBusy, match="2 replica streams are arriving"):
+                with gate.stream("b", 0, 64, str(tmp_path)):
+                    pass
+    with gate.stream("a", 0, 64, str(tmp_path)):  # released once done
+        pass
