@@ -3,15 +3,20 @@ whose claims its replicator writes, and an agent service that checks replicas ag
 
 from __future__ import annotations
 
+import contextlib
 import types
+from pathlib import Path
+from typing import AsyncIterator
 
 import grpc.aio
 
 from ftrt.agents.peers.claims import ClaimBook, ReplicaGate
+from ftrt.agents.peers.replicator import Replicator
 from ftrt.agents.peers.service import AgentServicer
 from ftrt.auth import JobToken
 from ftrt.jobkeys import JobKeys
 from ftrt.store.api import Store
+from ftrt.store.memory import MemoryStore
 from ftrt.v1 import agent_pb2_grpc
 
 KEYS = JobKeys("replication")
@@ -35,3 +40,19 @@ async def replica_server(mem_dir: str, store: Store, token: JobToken,
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port, servicer
+
+
+@contextlib.asynccontextmanager
+async def replicating(src: Path, dst: Path, token: JobToken,
+                      interval: float = 0.0) -> AsyncIterator[tuple[Replicator, int, AgentServicer]]:
+    """Node ``a`` (memory directory ``src``, registered in a fresh in-memory store) replicating to
+    a peer's service storing into ``dst``; yields a's replicator, the peer's port and its servicer."""
+    store = MemoryStore()
+    server, port, servicer = await replica_server(str(dst), store, token)
+    rep = Replicator("a", str(src), token, await registered(store, "a"), interval=interval)
+    rep.set_peers([f"127.0.0.1:{port}"])
+    try:
+        yield rep, port, servicer
+    finally:
+        await rep.close()
+        await server.stop(None)

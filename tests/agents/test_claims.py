@@ -27,7 +27,7 @@ from ftrt.errors import StoreError
 from ftrt.store.certs import tls_dir
 from ftrt.store.memory import MemoryStore
 from ftrt.v1 import agent_pb2, agent_pb2_grpc
-from tests.agents.replicas import KEYS, registered, replica_server
+from tests.agents.replicas import KEYS, registered, replica_server, replicating
 from tests.agents.test_replicator import commit, replica_step
 
 TOKEN = JobToken("3" * 64)
@@ -94,27 +94,25 @@ async def put(port: int, stream: list[agent_pb2.ReplicaChunk], tls: AgentTls | N
             return exc.code(), exc.details()
 
 
+async def replicated(rep: Replicator, src: Path, dst: Path, step: int) -> None:
+    """Save ``step`` as rank 0's sharded memory checkpoint in ``src`` and wait for its replica in ``dst``."""
+    commit(src, 0, step, sharded=True)
+    rep.notify(0)
+    await until(lambda: replica_step(dst, 0) == step, 10, f"the replica of step {step}")
+
+
 def test_a_forged_replica_with_the_token_is_refused_logged_and_counted_and_never_restored(tmp_path, caplog):
     src, dst = tmp_path / "a", tmp_path / "b"
 
     async def main():
-        store = MemoryStore()
-        server, port, servicer = await replica_server(str(dst), store, TOKEN)
-        rep = Replicator("a", str(src), TOKEN, await registered(store, "a"), interval=0.01)
-        try:
-            rep.set_peers([f"127.0.0.1:{port}"])
+        async with replicating(src, dst, TOKEN) as (rep, port, servicer):
             for step in (44, 45):
-                commit(src, 0, step, sharded=True)
-                rep.notify(0)
-                await until(lambda: replica_step(dst, 0) == step, 10, f"a's real replica of step {step}")
+                await replicated(rep, src, dst, step)
             refusals = {
                 "step raised": await put(port, forged(src, 0, step_raise=100000)),
                 "bytes zeroed": await put(port, forged(src, 0)),
             }
             return refusals, servicer.gate.refused
-        finally:
-            await rep.close()
-            await server.stop(None)
 
     with caplog.at_level(logging.WARNING, logger="ftrt.agents.peers.claims"):
         refusals, refused = asyncio.run(main())
@@ -220,9 +218,7 @@ def test_a_claim_that_cannot_be_written_fails_that_copy_only_and_replication_goe
             rep.notify(0)
             await until(lambda: "holds no registration" in caplog.text, 10, "the failed copy's warning")
             registration[0] = live.registration()
-            commit(src, 0, 2, sharded=True)
-            rep.notify(0)
-            await until(lambda: replica_step(dst, 0) == 2, 10, "the next checkpoint's replica")
+            await replicated(rep, src, dst, 2)  # the next checkpoint goes
         finally:
             await rep.close()
             await server.stop(None)
@@ -260,28 +256,17 @@ def test_an_old_claimed_copy_replayed_is_refused_and_streams_are_bounded(tmp_pat
     src, dst = tmp_path / "a", tmp_path / "b"
 
     async def main():
-        store = MemoryStore()
-        server, port, servicer = await replica_server(str(dst), store, TOKEN)
-        rep = Replicator("a", str(src), TOKEN, await registered(store, "a"), interval=0.0)
-        try:
-            rep.set_peers([f"127.0.0.1:{port}"])
-            commit(src, 0, 3, sharded=True)
-            rep.notify(0)
-            await until(lambda: replica_step(dst, 0) == 3, 10, "step 3's replica")
+        async with replicating(src, dst, TOKEN) as (rep, port, servicer):
+            await replicated(rep, src, dst, 3)
             old = forged(src, 0, zero=False)  # step 3, as claimed
             for step in (4, 5):
-                commit(src, 0, step, sharded=True)
-                rep.notify(0)
-                await until(lambda: replica_step(dst, 0) == step, 10, f"step {step}'s replica")
+                await replicated(rep, src, dst, step)
             replayed = await put(port, old)
             huge = json.loads(old[0].index_json)
             huge["size"] = 1 << 60
             endless = [agent_pb2.ReplicaChunk(source_node="a", rank=0, step=huge["step"], index_json=json.dumps(huge))]
             too_big = await put(port, endless)
             return replayed, too_big, servicer.gate.refused
-        finally:
-            await rep.close()
-            await server.stop(None)
 
     replayed, too_big, refused = asyncio.run(main())
     assert replayed[0] == grpc.StatusCode.PERMISSION_DENIED and "older than the replica held" in replayed[1], replayed
