@@ -365,11 +365,15 @@ class Fleet:
 
     def _claim(self) -> None:
         """Claim every version the fleet may push now, unless etcd holds exactly those already."""
-        want = {v: out.digest for v, out in self.versions.items()}
-        if (want == self._claims.claimed and not self._claims.lapsed()) or \
-                (self._claiming is not None and not self._claiming.done()):
+        if self._claimed() or (self._claiming is not None and not self._claiming.done()):
             return
+        want = {v: out.digest for v, out in self.versions.items()}
         self._claiming = asyncio.get_running_loop().create_task(self._write_claims(want))
+
+    def _claimed(self) -> bool:
+        """Whether etcd holds exactly the versions the fleet may push now, under a live lease."""
+        return self._claims.claimed == {v: out.digest for v, out in self.versions.items()} and \
+            not self._claims.lapsed()
 
     async def _write_claims(self, want: dict[int, str]) -> None:
         try:
@@ -381,7 +385,7 @@ class Fleet:
             self._wake.set()
 
     def _next_version(self, s: _Server, needed: list[int]) -> int | None:
-        if self._claims.claimed != {v: out.digest for v, out in self.versions.items()} or self._claims.lapsed():
+        if not self._claimed():
             return None  # a version is not claimed yet (a moment after publish): its servers would refuse it
         held = {v for v, d in s.versions.items() if v in self.versions and self.versions[v].digest == d}
         return next_push(s.record.max_versions, held, needed, self.ledger.needed_versions() & set(self.versions))

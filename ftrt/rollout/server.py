@@ -64,8 +64,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.on_version = on_version
         self.claimed = claimed
         """Why a pushed (version, digest) is not one the trainer claims, or None (:mod:`ftrt.rollout.claims`)."""
-        self.refused = 0
-        """Pushes refused since the server started."""
         self.fenced = True  # until registered
         self.served = 0
         self.generating_since = 0.0
@@ -139,12 +137,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     asm.feed(msg)
                 tensors = asm.result()
             except PushRefused as exc:
-                self.refused += 1
                 log.warning("weight push refused (versions held still %s): %s", sorted(self.engine.versions), exc)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             why = await self.claimed(asm.version, asm.digest)
             if why is not None:
-                self.refused += 1
                 log.warning("weight push of version %d (%s) refused, not the trainer's (versions held still %s): %s",
                             asm.version, asm.digest[:12], sorted(self.engine.versions), why)
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
