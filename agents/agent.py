@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import time
@@ -42,7 +43,7 @@ from ftrt.agents.peers.service import AgentServicer, AgentStatus, serve
 from ftrt.agents.states import (
     AgentState, Drain, Draining, Ended, Fenced, Finished, Running, Starting, State, Waiting, check_transition,
 )
-from ftrt.agents.workers.boundary import boundary_timeout, planned_change
+from ftrt.agents.workers.boundary import Deferral, boundary_deadline, planned_change
 from ftrt.agents.workers.env import pending_env, recorded_error, worker_env
 from ftrt.agents.workers.hangs import find_hung
 from ftrt.agents.workers.keep import is_join, job_runs_in_place, take_round_timeout
@@ -512,20 +513,34 @@ class Agent:
         polling = [w for w in p.pool.running if w.polls_boundary and w.exit_code is None]
         if not polling or not planned_change(old, new):
             return
-        intervals = [w.step_interval for w in polling if w.step_interval is not None]
-        timeout = boundary_timeout(max(intervals) if intervals else None)
-        if isinstance(self.state, Draining):
-            timeout = max(0.0, min(timeout, self.state.drain.deadline - time.monotonic()))
+        drain_deadline = self.state.drain.deadline if isinstance(self.state, Draining) else math.inf
         t0 = time.monotonic()
+
+        def deferrals() -> list[Deferral]:  # workers that end the round at a later step
+            return [w.ends_after for w in polling if w.ends_after is not None and w.ends_after.round == old.round]
+
+        def deadline() -> float:
+            intervals = [w.step_interval for w in polling if w.step_interval is not None]
+            return min(boundary_deadline(t0, max(intervals) if intervals else None, deferrals()), drain_deadline)
+
         p.round_end.request(old.round, durable=not new.active)
         self.log.info("round %d ends at a step boundary: its workers were asked to save their step and stop "
-                      "(waiting up to %.1f s)", old.round, timeout)
-        if await p.pool.wait_exited(polling, timeout):
+                      "(waiting up to %.1f s)", old.round, max(0.0, deadline() - t0))
+        exited, told = False, False
+        while not exited and (left := deadline() - time.monotonic()) > 0:
+            exited = await p.pool.wait_exited(polling, min(left, 0.5))
+            later = max((d.end for d in deferrals()), default=None)
+            if later is not None and not told:
+                told = True
+                more = "" if exited else f": waiting up to {max(0.0, deadline() - time.monotonic()):.1f} s more"
+                self.log.info("round %d ends after step %d, its workers' next natural boundary (a generation "
+                              "window's end)%s", old.round, later, more)
+        if exited:
             self.log.info("round %d ended at a step boundary (step %s) in %.0f ms: its workers saved and stopped",
                           old.round, max(w.step for w in polling), (time.monotonic() - t0) * 1000)
         else:
             self.log.warning("round %d: workers did not stop at a step boundary within %.1f s; stopping them",
-                             old.round, timeout)
+                             old.round, time.monotonic() - t0)
 
     async def _start_round(self, rnd: LocalRound) -> None:
         p = self.parts

@@ -67,6 +67,17 @@ class Boundary:
 
 
 @dataclass(frozen=True)
+class BoundaryAt:
+    """Asked to end ``round`` at a step boundary, the worker ends it after ``step``, its trainer's
+    next natural boundary (the end of a generation window), not after the step in progress
+    (:meth:`ftrt.Runtime.round_ends_after`): the agent waits for those steps too, within bounds."""
+
+    TYPE: ClassVar[str] = "boundary_at"
+    round: int
+    step: int
+
+
+@dataclass(frozen=True)
 class InPlace:
     """The worker changes rounds without exiting (:meth:`ftrt.Runtime.init_process_group` under
     ``--recovery in-place``): at the next round the agent hands it the round
@@ -126,12 +137,12 @@ class Stats:
     values: Mapping[str, float]
 
 
-Report = Union[Ready, SpareExit, Heartbeat, Done, Boundary, InPlace, Reconfigured, MemorySaved, Committed, Restored,
+Report = Union[Ready, SpareExit, Heartbeat, Done, Boundary, BoundaryAt, InPlace, Reconfigured, MemorySaved, Committed, Restored,
                Stats]
 """Any worker report."""
 
-TYPES: dict[str, type] = {cls.TYPE: cls for cls in (Ready, SpareExit, Heartbeat, Done, Boundary, InPlace, Reconfigured,
-                                                   MemorySaved, Committed, Restored, Stats)}
+TYPES: dict[str, type] = {cls.TYPE: cls for cls in (Ready, SpareExit, Heartbeat, Done, Boundary, BoundaryAt, InPlace,
+                                                   Reconfigured, MemorySaved, Committed, Restored, Stats)}
 """Every report class by its wire type."""
 
 CHECKPOINT_REPORTS = (MemorySaved, Committed, Restored)

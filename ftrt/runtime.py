@@ -135,6 +135,18 @@ class Runtime:
             self.report(reports.Boundary())
         return self._round_end.ending(self.round)
 
+    def round_ends_after(self, step: int) -> None:
+        """Tell the agent that this worker, asked to end its round (:meth:`round_ending`), ends it
+        only after step ``step``, its trainer's next natural boundary, not after the step in
+        progress: e.g. the end of a generation window, the first step whose checkpoint a round of
+        another world size can resume without redoing steps. The agent then waits for those steps
+        too (at their measured pace, at most :data:`ftrt.agents.workers.boundary.DEFERRED_WAIT_MAX`
+        seconds, and on a draining node no longer than ``--drain-timeout``); past that it stops
+        the workers as for a fault. Call it once, on every rank, with the same step. A no-op
+        outside ``ftrt launch``."""
+        if self._round_end is not None:
+            self.report(reports.BoundaryAt(self.round, int(step)))
+
     def round_end_durable(self) -> bool:
         """Whether the round that :meth:`round_ending` ends must be saved to storage, not only in
         memory: the next round is inactive (a drain took the job below its minimum, or every node

@@ -32,6 +32,7 @@ MADE = [
     reports.Heartbeat(7),
     reports.Done(7),
     reports.Boundary(),
+    reports.BoundaryAt(3, 8),
     reports.InPlace(),
     reports.Reconfigured(4),
     reports.MemorySaved(1, 7, 4096, 0.0123456789),
@@ -43,7 +44,7 @@ MADE = [
 
 
 def test_each_report_has_its_type_and_survives_the_wire():
-    assert {type(r).TYPE for r in MADE} == set(reports.TYPES) and len(reports.TYPES) == 11
+    assert {type(r).TYPE for r in MADE} == set(reports.TYPES) and len(reports.TYPES) == 12
     for report in MADE:
         line = reports.encode(report)
         assert line.endswith(b"\n") and json.loads(line)["t"] == type(report).TYPE

@@ -13,6 +13,11 @@ step since the last memory checkpoint, which with an ``auto`` cadence can be man
    exits.
 3. The agent waits for the workers that said they poll, at most :func:`boundary_timeout`, then
    stops whatever still runs as it would for a fault. A script that never polls is stopped at once.
+   A worker whose trainer has a coarser natural boundary (TRL's generation window: a checkpoint
+   inside one is of no use to a round of another world size) says after which later step it ends
+   the round (:meth:`ftrt.Runtime.round_ends_after`); the agent waits for those steps too, at
+   their measured pace, within :data:`DEFERRED_WAIT_MAX` and a drain's deadline
+   (:func:`boundary_deadline`).
 
 When the next round is inactive (a drain took the job below its minimum, or every node leaves at
 once: a time limit), no member keeps a memory copy for it: the request is *durable*, and the
@@ -26,6 +31,8 @@ before the round without it is written: a script can get ready, e.g. finish an a
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ftrt.records import RoundRecord
 from ftrt.roster import LocalRound
@@ -50,3 +57,35 @@ def boundary_timeout(step_interval_s: float | None) -> float:
     if step_interval_s is None:
         return 10.0
     return min(max(3 * step_interval_s + 1.0, BOUNDARY_WAIT_MIN), BOUNDARY_WAIT_MAX)
+
+
+DEFERRED_WAIT_MAX = 600.0
+"""The longest an agent waits, from its request, for workers that end their round at a later step."""
+
+UNKNOWN_STEP_S = 10.0
+"""The time allowed per step while a worker's step time is not known yet."""
+
+
+@dataclass(frozen=True)
+class Deferral:
+    """A worker said (at ``said_at``, monotonic, at step ``step``) that it ends ``round`` only after
+    step ``end`` (:class:`ftrt.reports.BoundaryAt`)."""
+
+    round: int
+    said_at: float
+    step: int
+    end: int
+
+
+def boundary_deadline(asked_at: float, step_interval_s: float | None, deferrals: list[Deferral]) -> float:
+    """When an agent that asked its workers to end their round at ``asked_at`` stops waiting for
+    them: :func:`boundary_timeout` after asking, or, for a worker that said it ends the round at a
+    later step, that long after it said so plus its steps still to go at ``step_interval_s`` each
+    (:data:`UNKNOWN_STEP_S` while unknown); never later than :data:`DEFERRED_WAIT_MAX` after asking
+    (but not sooner than the plain timeout). Pure: the agent applies a drain's deadline on top."""
+    base = boundary_timeout(step_interval_s)
+    per_step = step_interval_s if step_interval_s is not None else UNKNOWN_STEP_S
+    deadline = asked_at + base
+    for d in deferrals:
+        deadline = max(deadline, d.said_at + base + max(0, d.end - d.step) * per_step)
+    return min(deadline, asked_at + max(base, DEFERRED_WAIT_MAX))

@@ -30,6 +30,7 @@ from typing import IO, Callable
 
 from ftrt import _diag, reports
 from ftrt.control import NewRound, encode
+from ftrt.agents.workers.boundary import Deferral
 from ftrt.agents.workers.keep import keep_in_place
 from ftrt.agents.workers.procs import Proc, Spawned, spawn_bootstrap, stop
 from ftrt.agents.workers.template import SpareTemplate, TemplateError, spawn_template
@@ -80,6 +81,8 @@ class Worker:
     """Killed past ``--teardown-timeout`` after it said it was done: its exit counts as success."""
     polls_boundary: bool = False
     """It polls the round-end file (:mod:`ftrt.agents.workers.boundary`): a planned round waits for it."""
+    ends_after: Deferral | None = None
+    """It said it ends its round only after a later step (:class:`~ftrt.reports.BoundaryAt`)."""
     said_in_place: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once it said it changes rounds in place (:class:`~ftrt.reports.InPlace`); for a worker
     started before its node is admitted, that it is warm."""
@@ -134,6 +137,8 @@ class Worker:
                     log.info("rank %d is done (step %s); its teardown is not judged for hangs", self.rank, step)
             case reports.Boundary():
                 self.polls_boundary = True
+            case reports.BoundaryAt(round=round_no, step=step):
+                self.ends_after = Deferral(round_no, time.monotonic(), self.step, step)
             case reports.InPlace():
                 self.said_in_place.set()
             case reports.Reconfigured(round=round_no):
@@ -494,7 +499,12 @@ class WorkerPool:
         """Wait until each of ``workers`` exited, at most ``timeout`` seconds; True if all did."""
         live = [w for w in workers if w.exit_code is None]
         if live:
-            await asyncio.wait([asyncio.ensure_future(w.exited.wait()) for w in live], timeout=timeout)
+            waits = [asyncio.ensure_future(w.exited.wait()) for w in live]
+            try:
+                await asyncio.wait(waits, timeout=timeout)
+            finally:
+                for f in waits:  # none left pending: a caller may wait in slices
+                    f.cancel()
         return all(w.exited.is_set() for w in workers)
 
     async def wait_taken(self, workers: list[Worker], timeout: float) -> None:

@@ -3,7 +3,7 @@
 A tiny random-init Llama and a character tokenizer are made here and saved locally (nothing is
 downloaded); the data are fixed pseudo-random token sequences. The script adds two lines to a
 plain Trainer script: ``callbacks=[FtrtCallback()]`` and ``resume_from_checkpoint=
-resume_checkpoint(out)``. Rank 0 appends ``{"step", "loss"}`` per logged step to ``--metrics``.
+resume_checkpoint(out)``. Rank 0 appends ``{"step", "loss", "grad_norm", "epoch", "time"}`` per logged step to ``--metrics``.
 
 ``--elastic`` trains the data in :class:`ftrt.data.ElasticSampler`'s order (``ElasticTrainer``,
 ``--global-batch`` samples a step), which survives a world-size change without skipping or
@@ -98,7 +98,8 @@ class LossLog(TrainerCallback):
         if self.path and state.is_world_process_zero and logs and "loss" in logs:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": state.global_step, "loss": logs["loss"],
-                                    "grad_norm": logs.get("grad_norm"), "time": time.time()}) + "\n")
+                                    "grad_norm": logs.get("grad_norm"), "epoch": logs.get("epoch"),
+                                    "time": time.time()}) + "\n")
         return control
 
 

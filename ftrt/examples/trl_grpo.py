@@ -7,7 +7,7 @@ holds ``--generation-batch-size`` completions at any world size; its window span
 most checkpoints fall inside one. The script adds two lines to a plain TRL script:
 ``trainer.add_callback(FtrtCallback(trainer))`` and ``resume_from_checkpoint=resume_checkpoint(trainer)``.
 
-Rank 0 appends ``{"step", "loss", "grad_norm", "time"}`` per logged step to ``--metrics``; with
+Rank 0 appends ``{"step", "loss", "grad_norm", "epoch", "time"}`` per logged step to ``--metrics``; with
 ``--ledger``, every rank appends the prompts of each generation it scores (and a line when it
 starts) so a test can check that no prompt was skipped or trained twice. ``--hold-after N
 --hold-file P`` stops every rank after step N's checkpoint until P exists (a test's fixed point).
@@ -25,7 +25,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from ftrt.examples.hf_trainer import Hold, LossLog  # the same {"step", "loss", "grad_norm", "time"} lines
+from ftrt.examples.hf_trainer import Hold, LossLog  # the same {"step", "loss", "grad_norm", "epoch", "time"} lines
 
 CHARS = "abcdefghijklmnopqrstuvwxyz ."
 PROMPTS = [f"say {w}." for w in "aa ab ba bb ca ac cc da ad dd ea ae ee fa af ff".split()]

@@ -19,11 +19,15 @@ Five lines in a training script::
 - **Round ends**: when ftrt asks to end the round at a step boundary (a node joins or drains),
   the ranks agree on it (one tiny all-reduce a step), the Trainer saves that step, ftrt commits
   it (a planned change lets the ending round still commit) and the workers exit: the next round
-  resumes from that step with nothing redone.
+  resumes from that step with nothing redone. (TRL's callback ends it at the end of the
+  generation window instead: :mod:`ftrt.integrations.trl`.)
 - **Resume**: :func:`resume_checkpoint` returns the newest committed folder whose every file
   matches its manifest (and that is not newer than ``latest``), else None: what to pass to
   ``trainer.train(resume_from_checkpoint=...)``. The Trainer's own files are pickles
   (``torch.load``); they are read only after their checksums matched.
+- **The end of a job**: a run resumed from its final checkpoint (a worker killed after the last
+  commit, or the job launched again in the same folder) trains nothing and says the job is
+  finished; the Trainer alone would train one step past ``max_steps``.
 
 At the same world size the Trainer restores model, optimizer, scheduler, every rank's RNG and the
 data position, so a run resumed after a worker crash logs bit-identical losses (tested). At another
@@ -84,19 +88,77 @@ def resume_checkpoint(output_dir: str) -> str | None:
     return newest_committed(output_dir, _FOLDER, _folder)
 
 
+_FINISHED_GUARD = "_ftrt_stops_at_max_steps"
+"""Set on the ``Trainer._run_epoch`` that :func:`_stop_at_max_steps` installs."""
+
+
+def _stop_at_max_steps() -> None:
+    """Make every ``Trainer`` of this process train nothing when it resumes at or past ``max_steps``.
+
+    transformers (5.24, 5.25) does not check ``global_step`` against ``max_steps`` before an
+    epoch's first step, only after each step: a run resumed from its final checkpoint (a worker
+    killed after the last commit and restarted by ftrt, or a finished job launched again in the
+    same ``output_dir``) trains one step past its end and saves ``checkpoint-<max_steps + 1>``,
+    unless ``max_steps`` ends an epoch. Wrap ``Trainer._run_epoch`` (once per process) so that it
+    trains nothing then and stops the training; ``train()`` still returns normally, with the
+    resumed model loaded, so a script's own code after it (``save_model``, a push) runs as it
+    would have. Only that case changes."""
+    run_epoch = getattr(Trainer, "_run_epoch", None)
+    if run_epoch is None:
+        import transformers
+
+        raise ConfigError(f"ftrt cannot guard the Trainer against training past max_steps in transformers "
+                          f"{transformers.__version__} (no Trainer._run_epoch): install transformers 5.24 or newer.")
+    if getattr(run_epoch, _FINISHED_GUARD, False):
+        return
+
+    def run_epoch_unless_finished(self, *args, **kwargs):
+        state = self.state
+        if 0 < state.max_steps <= state.global_step:
+            self.control.should_training_stop = True
+            if not getattr(self, _FINISHED_GUARD, False):
+                setattr(self, _FINISHED_GUARD, True)
+                log.warning("Training is already finished: the run resumed at step %d of max_steps %d, so no step "
+                            "is trained (the job was restarted or launched again after its final checkpoint).",
+                            state.global_step, state.max_steps)
+            return None
+        return run_epoch(self, *args, **kwargs)
+
+    setattr(run_epoch_unless_finished, _FINISHED_GUARD, True)
+    Trainer._run_epoch = run_epoch_unless_finished
+
+
 class FtrtCallback(TrainerCallback):
-    """Heartbeats every step and a committed manifest for every checkpoint (module docstring)."""
+    """Heartbeats every step and a committed manifest for every checkpoint (module docstring).
+
+    Constructing it also guards every ``Trainer`` of the process against training past
+    ``max_steps`` when it resumes from its final checkpoint (:func:`_stop_at_max_steps`)."""
 
     def __init__(self, runtime: ftrt.Runtime | None = None) -> None:
+        _stop_at_max_steps()
         self.rt = runtime or ftrt.init()
-        self._ending = False  # the round ends after this step's save (a node joins or drains)
+        self._end_after: int | None = None  # the step the round ends after (a node joins or drains)
+        self._ending = False  # the round ends after this step's save
         self._round_ends = RoundEndVote(self.rt)
+
+    def round_end_step(self, state) -> int:
+        """The step after which a round asked to end (a node joins or drains) ends: the one just
+        trained. A subclass whose checkpoints are of use to the next round only at coarser
+        boundaries returns the next of those (the agent is told and waits)."""
+        return state.global_step
 
     def on_step_end(self, args, state, control, **kwargs):
         self.rt.heartbeat(state.global_step)
-        if state.global_step < state.max_steps and self._round_ends():
-            # A planned change: save this step (committed, though the next round is written) and
-            # leave; the next round resumes from it with nothing redone.
+        if self._end_after is None and state.global_step < state.max_steps and self._round_ends():
+            # A planned change: the ranks agreed on it after this step, so they all choose the same end.
+            self._end_after = self.round_end_step(state)
+            if self._end_after > state.global_step:
+                self.rt.round_ends_after(self._end_after)
+                log.info("the round ends after step %d (asked at step %d): the next boundary a new round can "
+                         "resume from without redoing steps", self._end_after, state.global_step)
+        if state.global_step == self._end_after and state.global_step < state.max_steps:
+            # Save this step (committed, though the next round is written) and leave; the next
+            # round resumes from it with nothing redone.
             self._ending = True
             control.should_save = True
         return control
@@ -308,6 +370,7 @@ class ElasticData:
     def __init__(self, *args, global_batch: int | None = None, **kwargs) -> None:
         if not hasattr(Trainer, "get_resumed_dataloader"):
             _let_elastic_loaders_pass()
+        _stop_at_max_steps()
         super().__init__(*args, **kwargs)
         self._elastic = _ElasticProgress(global_batch)
         self.callback_handler.callbacks.insert(0, self._elastic)  # its on_save before any commit

@@ -25,7 +25,13 @@ positions the order and restores the Trainer's RNG state where the skip would ha
 After a world-size change the saved buffers belong to other ranks: :func:`resume_checkpoint` then
 takes the newest committed checkpoint that lies on a window boundary (the steps of a half-trained
 window are trained again; no prompt is skipped or trained twice) and the window starts with a
-fresh generation. That is exact in prompts, not bit-exact (docs/integrations.md).
+fresh generation. That is exact in prompts, not bit-exact (docs/integrations.md). So when ftrt asks
+the round to end (a node joins or drains), the callback ends it at the end of the window in
+progress, not at the next step, and tells the agent, which waits for those steps: the next round
+redoes nothing (unless a drain's deadline cuts the wait).
+
+The logged ``epoch`` is where the order stands, as a run never interrupted would log it (the
+Trainer, made to skip nothing on resume, would count the resumed epoch from the resume).
 
 Everything else (heartbeats, the manifest, the round-fenced ``latest`` pointer, resuming only a
 committed and verified folder) is :mod:`ftrt.integrations.hf`'s. The buffer file holds tensors,
@@ -107,6 +113,7 @@ class FtrtCallback(hf.FtrtCallback):
                               "dataset has no position ftrt could restore at another world size.")
         self.trainer = trainer
         self.window = trainer.args.steps_per_generation * trainer.num_iterations
+        self._per_epoch = 0  # generations in an epoch, known once the Trainer asked for its sampler
         self._start: tuple[int, int] = (0, 0)  # (generation, micro-step in its window) at _step == _start_step
         self._start_step = 0
         self._resumed: tuple[str, dict | None] | None = None  # (folder, this rank's saved state) until applied
@@ -117,9 +124,11 @@ class FtrtCallback(hf.FtrtCallback):
     def _sampler(self, dataset=None) -> GenerationOrder:
         args = self.trainer.args
         dataset = dataset if dataset is not None else self.trainer.train_dataset
-        return GenerationOrder(len(dataset), args.generation_batch_size // self.trainer.num_generations,
-                               self.trainer.num_generations, self.window, seed=args.seed,
-                               shuffle=self.trainer.shuffle_dataset, start=self._start)
+        order = GenerationOrder(len(dataset), args.generation_batch_size // self.trainer.num_generations,
+                                self.trainer.num_generations, self.window, seed=args.seed,
+                                shuffle=self.trainer.shuffle_dataset, start=self._start)
+        self._per_epoch = order.per_epoch
+        return order
 
     def _rank_world(self) -> tuple[int, int]:
         return self.trainer.accelerator.process_index, self.trainer.accelerator.num_processes
@@ -128,6 +137,30 @@ class FtrtCallback(hf.FtrtCallback):
         """(generation, micro-step in its window) of the next micro-step."""
         micro = self._start[0] * self.window + self._start[1] + self.trainer._step - self._start_step
         return divmod(micro, self.window)
+
+    def round_end_step(self, state) -> int:
+        """The end of the generation window in progress: a round of another world size can resume
+        only from a window boundary (inside a window the buffers are the old ranks'), so ending
+        the round there redoes nothing. The step just trained when it ends a window, or when the
+        window's end is not an optimizer step (``gradient_accumulation_steps`` does not divide
+        what is left of it)."""
+        offset = self.position()[1]
+        left, accumulation = self.window - offset, self.trainer.args.gradient_accumulation_steps
+        if offset == 0 or left % accumulation:
+            return state.global_step
+        return state.global_step + left // accumulation
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # With ignore_data_skip the Trainer counts a resumed epoch's micro-steps from the resume, so
+        # the epoch it logs would start again near 0: it is where the order stands, computed as the
+        # Trainer computes it in a run that was never interrupted (micro-steps of the epoch done over
+        # micro-steps in an epoch), so the two log the same number.
+        if self._per_epoch:
+            generation, offset = self.position()
+            per_epoch = self._per_epoch * self.window
+            epoch, done = divmod(generation * self.window + offset, per_epoch)
+            state.epoch = epoch + done / per_epoch
+        return super().on_step_end(args, state, control, **kwargs)
 
     # -- saving ------------------------------------------------------------------------------------
     def on_save(self, args, state, control, **kwargs):

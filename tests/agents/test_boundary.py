@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ftrt.agents.workers.boundary import BOUNDARY_WAIT_MAX, BOUNDARY_WAIT_MIN, boundary_timeout, planned_change
+from ftrt.agents.workers.boundary import (BOUNDARY_WAIT_MAX, BOUNDARY_WAIT_MIN, DEFERRED_WAIT_MAX, UNKNOWN_STEP_S,
+                                         Deferral, boundary_deadline, boundary_timeout, planned_change)
 from ftrt.roundendfile import RoundEndReader, RoundEndWriter
 from ftrt.records import Member, RoundRecord
 
@@ -26,6 +27,19 @@ def test_the_wait_covers_a_few_steps_within_bounds():
     assert boundary_timeout(0.01) == BOUNDARY_WAIT_MIN
     assert boundary_timeout(100.0) == BOUNDARY_WAIT_MAX
     assert boundary_timeout(None) == 10.0
+
+
+def test_a_worker_that_ends_at_a_later_step_gets_those_steps_from_when_it_said_so():
+    asked = 100.0
+    assert boundary_deadline(asked, 0.5, []) == asked + 2.5  # no deferral: the plain wait
+    # asked at 100, said at 101 (step 5) that it ends after step 8: 3 steps of 0.5 s more, from 101
+    assert boundary_deadline(asked, 0.5, [Deferral(3, 101.0, 5, 8)]) == 101.0 + 2.5 + 1.5
+    # the latest of several workers' ends counts; one at or behind its step adds nothing
+    both = [Deferral(3, 101.0, 5, 8), Deferral(3, 101.2, 5, 12), Deferral(3, 101.0, 9, 8)]
+    assert boundary_deadline(asked, 0.5, both) == 101.2 + 2.5 + 3.5
+    # no step time known yet: UNKNOWN_STEP_S a step; never past DEFERRED_WAIT_MAX after asking
+    assert boundary_deadline(asked, None, [Deferral(3, 100.0, 0, 2)]) == 100.0 + 10.0 + 2 * UNKNOWN_STEP_S
+    assert boundary_deadline(asked, 30.0, [Deferral(3, 100.0, 0, 1000)]) == asked + DEFERRED_WAIT_MAX
 
 
 def test_workers_see_the_request_for_their_round_only(tmp_path):

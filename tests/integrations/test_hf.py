@@ -100,6 +100,42 @@ def test_a_killed_worker_resumes_the_trainer_with_bit_identical_losses(tmp_path,
     assert _losses(tmp_path / "run.jsonl") == ref  # every step's loss and grad norm, bit for bit
 
 
+def test_a_worker_killed_after_the_final_checkpoint_trains_no_step_past_the_end(tmp_path, reference, etcd_endpoint,
+                                                                                 job_id):
+    ref, _, _ = reference
+    hold = tmp_path / "go"
+    node = Node(tmp_path, "a", _job(tmp_path, "run", etcd_endpoint, job_id,
+                                    extra=("--hold-after", str(STEPS), "--hold-file", str(hold)))).start()
+    try:
+        # every rank waits after the final checkpoint's commit: the kill lands before the job ends
+        wait_until(lambda: (tmp_path / "run-out" / f"checkpoint-{STEPS}" / "manifest.json").exists(), 180,
+                   "the final commit")
+        os.kill(worker_pids(etcd_endpoint, job_id)[1], signal.SIGKILL)
+        hold.touch()
+        assert node.wait(240) == 0, node.log()[-3000:]
+    finally:
+        node.cleanup()
+    log = node.log()
+    assert "round 2: started ranks" in log  # the kill restarted the workers, which resumed from the end
+    assert f"Training is already finished: the run resumed at step {STEPS} of max_steps {STEPS}" in log, log[-3000:]
+    assert _losses(tmp_path / "run.jsonl") == ref  # steps 1-12, bit for bit; the Trainer alone trains a 13th
+    assert not (tmp_path / "run-out" / f"checkpoint-{STEPS + 1}").exists()
+
+
+@pytest.mark.parametrize("trainer", [(), ("--elastic", "--global-batch", "16", "--grad-accum", "2")],
+                         ids=["Trainer", "ElasticTrainer"])
+def test_a_finished_run_started_again_in_its_folder_trains_nothing(tmp_path, trainer):
+    run = ("--out", str(tmp_path / "out"), "--steps", "5", "--metrics", str(tmp_path / "m.jsonl"), *trainer)
+    _example(*run)  # 5 steps end inside an epoch (32 steps at world 1; 4 with ElasticTrainer's batches)
+    res = subprocess.run([sys.executable, "-m", "ftrt.examples.hf_trainer", *run], capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Training is already finished: the run resumed at step 5 of max_steps 5" in res.stderr, res.stderr[-3000:]
+    logged = [json.loads(x)["step"] for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5]  # by the first run only: the second trained nothing
+    assert not (tmp_path / "out" / "checkpoint-6").exists()
+
+
 def test_resume_skips_a_checkpoint_whose_commit_never_happened_or_whose_file_changed(tmp_path, reference):
     from ftrt.integrations.hf import resume_checkpoint
 

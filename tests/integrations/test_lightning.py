@@ -166,6 +166,14 @@ def test_the_example_runs_alone_without_ftrt_launch(alone):
     assert sorted(p.name for p in out.iterdir()) == sorted(f"step-{s}.ckpt" for s in range(1, STEPS + 1))
 
 
+def test_a_finished_run_started_again_in_its_folder_trains_nothing(tmp_path, alone):
+    _, out = alone
+    shutil.copytree(out, tmp_path / "out")
+    _alone(tmp_path / "out", tmp_path / "m.jsonl")
+    assert not (tmp_path / "m.jsonl").exists() or _losses(tmp_path / "m.jsonl") == {}
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(f"step-{s}.ckpt" for s in range(1, STEPS + 1))
+
+
 @pytest.mark.parametrize("at", [8, 6], ids=["epoch-end", "mid-epoch"])
 def test_a_resume_at_an_epoch_end_or_mid_epoch_is_bit_identical(tmp_path, alone, at):
     # The random states come back at different moments in the two cases (the module docstring):
