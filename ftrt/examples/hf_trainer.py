@@ -90,6 +90,17 @@ class Hold(TrainerCallback):
         return control
 
 
+class Pace(TrainerCallback):
+    """Sleep ``seconds`` after every optimizer step (``--step-time``: steps as slow as a test needs)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
+        return control
+
+
 class LossLog(TrainerCallback):
     def __init__(self, path: str | None) -> None:
         self.path = path

@@ -10,7 +10,8 @@ most checkpoints fall inside one. The script adds two lines to a plain TRL scrip
 Rank 0 appends ``{"step", "loss", "grad_norm", "epoch", "time"}`` per logged step to ``--metrics``; with
 ``--ledger``, every rank appends the prompts of each generation it scores (and a line when it
 starts) so a test can check that no prompt was skipped or trained twice. ``--hold-after N
---hold-file P`` stops every rank after step N's checkpoint until P exists (a test's fixed point).
+--hold-file P`` stops every rank after step N's checkpoint until P exists (a test's fixed point);
+``--step-time S`` sleeps S seconds after every step.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from ftrt.examples.hf_trainer import Hold, LossLog  # the same {"step", "loss", "grad_norm", "epoch", "time"} lines
+from ftrt.examples.hf_trainer import Hold, LossLog, Pace  # the same {"step", "loss", "grad_norm", "epoch", "time"} lines
 
 CHARS = "abcdefghijklmnopqrstuvwxyz ."
 PROMPTS = [f"say {w}." for w in "aa ab ba bb ca ac cc da ad dd ea ae ee fa af ff".split()]
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ledger", default=None, help="every rank appends the prompts of each generation here")
     p.add_argument("--hold-after", type=int, default=0)
     p.add_argument("--hold-file", default=None)
+    p.add_argument("--step-time", type=float, default=0.0, help="sleep this long after each step (seconds)")
     p.add_argument("--ftrt", choices=("trl", "hf", "none"), default="trl",
                    help="trl: ftrt's TRL callback (buffers checkpointed); hf: only the Trainer's callback (TRL's "
                         "resume gap stays); none: the plain TRL script (the baseline of python -m bench)")
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         resume = resume_checkpoint(args.out)
     if args.hold_after:
         trainer.add_callback(Hold(args.hold_after, args.hold_file))
+    if args.step_time:
+        trainer.add_callback(Pace(args.step_time))
     trainer.train(resume_from_checkpoint=resume)
 
 

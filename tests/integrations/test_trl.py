@@ -121,16 +121,18 @@ def test_a_node_joining_inside_a_generation_window_ends_the_round_at_its_end_and
     from ftrt.integrations.trl import GenerationOrder
 
     # a alone: a window is 8 steps (a generation of 8 completions at 2 a step, 2 iterations of 4
-    # steps). b joins while a is held after step 3: the round ends after step 8, not 5, and round 2
-    # (windows of 4 steps at world 2) resumes from checkpoint-8 with nothing trained twice.
-    steps, hold = 16, 3
+    # steps). b joins while a is held after step 1; the ranks agree on it after step 3, and the
+    # round ends after step 8, not 3: 5 steps of 1 s, longer than the agent's plain wait (3 steps
+    # and a second), which it extends. Round 2 (windows of 4 steps at world 2) resumes from
+    # checkpoint-8 with nothing trained twice.
+    steps, hold = 16, 1
     args = _job(tmp_path, "run", etcd_endpoint, job_id, "--hold-after", str(hold), "--hold-file",
-                str(tmp_path / "go"), nnodes="1:2", nproc=1, steps=steps)
+                str(tmp_path / "go"), "--step-time", "1", nnodes="1:2", nproc=1, steps=steps)
     a = Node(tmp_path, "a", args).start()
     nodes = [a]
     try:
         wait_until(lambda: (tmp_path / "run-out" / f"checkpoint-{hold}" / "manifest.json").exists(), 180,
-                   "step 3's commit")
+                   "step 1's commit")
         nodes.append(Node(tmp_path, "b", args).start())
         wait_until(lambda: ROUND_END_ASKED in a.log(), 120, "a's round to be asked to end")
         (tmp_path / "go").touch()
@@ -140,7 +142,8 @@ def test_a_node_joining_inside_a_generation_window_ends_the_round_at_its_end_and
         for n in nodes:
             n.cleanup()
     log = a.log()
-    assert "round 1 ends after step 8, its workers' next natural boundary" in log, log[-3000:]
+    assert "round 1 ends after step 8, its workers' next natural boundary (a generation window's end): " \
+           "waiting up to" in log, log[-3000:]
     assert "round 1 ended at a step boundary (step 8)" in log, log[-3000:]
     assert _logged_steps(tmp_path / "run.jsonl") == list(range(1, steps + 1)), "a step was trained twice"
     epochs = {step: epoch for step, (_, _, epoch) in _losses(tmp_path / "run.jsonl").items()}
