@@ -190,3 +190,31 @@ def test_a_lost_node_shrinks_the_world_and_trains_every_prompt_exactly_once(tmp_
     # 3 generations: one at world 2 (steps 1-4), two at world 1 (steps 5-12, 13-16); each prompt of
     # a generation twice (num_generations), none in two generations of the epoch
     assert got == [sorted(PROMPTS[i] for i in order.chunk(g) for _ in range(2)) for g in range(3)], got
+
+
+def test_a_drained_node_ends_the_round_at_the_window_end_and_nothing_is_redone(tmp_path, etcd_endpoint, job_id):
+    from ftrt.examples.trl_grpo import PROMPTS
+    from ftrt.integrations.trl import GenerationOrder
+
+    # a and b at world 2: windows of 4 steps. b drains while both are held after step 5 (inside the
+    # second window): the round ends after step 8, and a goes on alone (windows of 8) from there.
+    steps, hold = 16, 5
+    args = _job(tmp_path, "run", etcd_endpoint, job_id, "--hold-after", str(hold), "--hold-file",
+                str(tmp_path / "go"), nnodes="1:2", nproc=1, steps=steps, launch=BOTH_IN_ROUND_1)
+
+    def drain_b_then_go_on(nodes):  # the workers wait after step 5 until the drain asked the round to end
+        asked = nodes["a"].log().count(ROUND_END_ASKED)
+        nodes["b"].proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: nodes["a"].log().count(ROUND_END_ASKED) > asked, 60, "a's round to be asked to end")
+        (tmp_path / "go").touch()
+        assert nodes["b"].wait(60) == 0, nodes["b"].log()[-3000:]
+
+    nodes = two_nodes(tmp_path, args, lambda: (tmp_path / "run-out" / f"checkpoint-{hold}" / "manifest.json").exists(),
+                      "step 5's commit", drain_b_then_go_on)
+    log = nodes["a"].log()
+    assert "ended at a step boundary (step 8)" in log, log[-3000:]
+    assert _logged_steps(tmp_path / "run.jsonl") == list(range(1, steps + 1)), "a step was trained twice"
+    order = GenerationOrder(len(PROMPTS), 4, 2, 1, seed=0)
+    # two generations at world 2 (steps 1-4, 5-8), one at world 1 (steps 9-16)
+    got = _generations(tmp_path / "run-ledger.jsonl")
+    assert got == [sorted(PROMPTS[i] for i in order.chunk(g) for _ in range(2)) for g in range(3)], got
