@@ -13,6 +13,7 @@ its manifest and that is not newer than ``latest``. Trainers' files are often pi
 
 from __future__ import annotations
 
+import atexit
 import re
 from pathlib import Path
 from typing import Callable
@@ -30,6 +31,31 @@ def barrier() -> None:
     dist = distributed()
     if dist is not None:
         dist.barrier()
+
+
+_DESTROY_REGISTERED = False
+
+
+def destroy_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits normally, while it is still
+    whole (once per process; a no-op when the script destroyed it itself).
+
+    The Trainer and Accelerate leave it up. A gloo group still alive at interpreter finalization can
+    abort the process in its teardown ("terminate called without an active exception", SIGABRT;
+    pytorch #190489): under ``ftrt launch`` that exit counts as a worker failure even after
+    :meth:`ftrt.Runtime.done`, and the job restarts from its final checkpoint (seen once in a TRL
+    run)."""
+    global _DESTROY_REGISTERED
+    if _DESTROY_REGISTERED:
+        return
+    _DESTROY_REGISTERED = True
+
+    def destroy() -> None:
+        dist = distributed()
+        if dist is not None:
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def job_pointer(output_dir: str) -> LatestPointer | None:

@@ -67,7 +67,7 @@ import ftrt
 from ftrt.checkpoint.storage import parse_url, write_bytes
 from ftrt.data import ElasticSampler
 from ftrt.errors import CheckpointCorrupt, ConfigError, FtrtError
-from ftrt.integrations.commits import barrier, commit_folder, newest_committed
+from ftrt.integrations.commits import barrier, commit_folder, destroy_group_at_exit, newest_committed
 from ftrt.roundend import RoundEndVote
 
 log = logging.getLogger(__name__)
@@ -116,8 +116,8 @@ def _stop_at_max_steps() -> None:
         state = self.state
         if 0 < state.max_steps <= state.global_step:
             self.control.should_training_stop = True
-            if not getattr(self, _FINISHED_GUARD, False):
-                setattr(self, _FINISHED_GUARD, True)
+            if not getattr(self, "_ftrt_said_finished", False):
+                self._ftrt_said_finished = True
                 log.warning("Training is already finished: the run resumed at step %d of max_steps %d, so no step "
                             "is trained (the job was restarted or launched again after its final checkpoint).",
                             state.global_step, state.max_steps)
@@ -132,10 +132,12 @@ class FtrtCallback(TrainerCallback):
     """Heartbeats every step and a committed manifest for every checkpoint (module docstring).
 
     Constructing it also guards every ``Trainer`` of the process against training past
-    ``max_steps`` when it resumes from its final checkpoint (:func:`_stop_at_max_steps`)."""
+    ``max_steps`` when it resumes from its final checkpoint (:func:`_stop_at_max_steps`), and
+    has the process group destroyed at exit (:func:`~ftrt.integrations.commits.destroy_group_at_exit`)."""
 
     def __init__(self, runtime: ftrt.Runtime | None = None) -> None:
         _stop_at_max_steps()
+        destroy_group_at_exit()
         self.rt = runtime or ftrt.init()
         self._end_after: int | None = None  # the step the round ends after (a node joins or drains)
         self._ending = False  # the round ends after this step's save

@@ -233,6 +233,24 @@ def test_the_elastic_trainer_resumes_at_the_same_world_size_bit_identically(tmp_
     assert _trained(tmp_path / "run-ledger.jsonl") == {step: ref_ids[step] for step in (4, 5, 6)}
 
 
+def test_the_callback_destroys_the_process_group_at_exit_which_the_trainer_leaves_up(tmp_path):
+    # A gloo group alive at interpreter finalization can abort the process (pytorch #190489): under
+    # ftrt launch, a failed worker after the job's end. atexit runs handlers last in, first out, so
+    # the probe registered before the callback sees the group as the callback's handler left it.
+    script = f"""
+import atexit
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+atexit.register(lambda: print("group up at exit:", dist.is_initialized()))
+from ftrt.integrations.hf import FtrtCallback
+FtrtCallback()
+FtrtCallback()  # registered once
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.splitlines() == ["group up at exit: False"], res.stdout
+
+
 def test_before_transformers_5_25_only_the_elastic_loaders_pass_the_trainers_skip(monkeypatch):
     """transformers 5.24 skips resumed batches with its module's skip_first_batches (no hook): the
     wrapper ElasticData installs lets its own loaders pass and skips every other loader as before."""
