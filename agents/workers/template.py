@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 
 from ftrt import envnames, reports
+from ftrt.procs import die_with
 from ftrt.agents.workers.procs import ForkedProc, Proc, Spawned, spawn_bootstrap
 
 ENV = envnames.TEMPLATE_FD
@@ -168,18 +169,6 @@ def _become_spare(fds: list[int], hosts_store: bool, template_pid: int) -> Spare
         os.close(fd)
     os.environ[envnames.REPORT_FD] = str(report_fd)
     return SpareFds(control_fd, report_fd, hosts_store)
-
-
-def die_with(parent: int) -> None:
-    """SIGKILL this process when ``parent`` exits (and at once if it already has)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os._exit(70)
 
 
 # -- the agent's side ---------------------------------------------------------------------------

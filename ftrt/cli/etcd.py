@@ -20,6 +20,7 @@ import argparse
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -30,12 +31,38 @@ from ftrt.store.access import ENV_PASSWORD
 from ftrt.store.etcd_server import EtcdServer, write_secret
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number, 0 for a free one."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: give 1-65535, or 0 for a free one") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number: give 1-65535, or 0 for a free one")
+    return port
+
+
+def _check_free(host: str, port: int, flag: str) -> None:
+    """Refuse a port something already listens on (etcd would exit, or another etcd would answer
+    the health check in its place)."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as etcd binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"{flag} {port}: etcd cannot listen on {host}:{port} ({exc.strerror}); something "
+                              f"there already does (another etcd?). Stop it, or pick another port ({flag} 0 picks a "
+                              "free one).") from None
+
+
 def etcd_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="ftrt etcd", description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default=None, help="data directory (default: a temporary one, removed on exit)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=2379, help="client port (default 2379; 0 picks a free one)")
-    parser.add_argument("--peer-port", type=int, default=0, help="peer port (default: a free one)")
+    parser.add_argument("--port", type=_port, default=2379, help="client port (default 2379; 0 picks a free one)")
+    parser.add_argument("--peer-port", type=_port, default=0, help="peer port (default: a free one)")
     parser.add_argument("--name", default="ftrt-etcd", help="member name")
     parser.add_argument("--etcd-bin", default=None, help="etcd binary (default: the bundled one, then PATH)")
     parser.add_argument("--tls", default=None, metavar="DIR",
@@ -77,6 +104,8 @@ def etcd_main(argv: list[str]) -> int:
             if not password:
                 raise ConfigError(f"--auth-user {args.auth_user} needs a password: set {ENV_PASSWORD} or pass "
                                   "--password-file FILE.")
+    _check_free(args.host, args.port, "--port")
+    _check_free(args.host, args.peer_port, "--peer-port")
     server = EtcdServer(
         name=args.name, data_dir=args.data_dir, host=args.host, client_port=args.port,
         peer_port=args.peer_port, binary=args.etcd_bin,
@@ -84,7 +113,12 @@ def etcd_main(argv: list[str]) -> int:
     if args.tls:
         from ftrt.store.certs import tls_dir
 
-        server.tls = tls_dir(args.tls, hosts=(args.host, *args.cert_host))
+        try:
+            server.tls = tls_dir(args.tls, hosts=(args.host, *args.cert_host))
+        except OSError as exc:
+            raise ConfigError(f"--tls {args.tls}: cannot make or read the certificates there ({exc.strerror}"
+                              f"{': ' + str(exc.filename) if exc.filename else ''}); give a folder this user can "
+                              "create and write.") from None
     elif args.insecure:
         localetcd.forget(args.host, server.client_port)  # clients must not try credentials it ignores
     else:
@@ -99,7 +133,11 @@ def etcd_main(argv: list[str]) -> int:
     # Handlers first: a Ctrl-C or SIGTERM right after the "serving" line is a clean stop too.
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    server.start()
+    try:
+        server.start()
+    except BaseException:
+        server.stop()  # its folder and its kept output go
+        raise
     try:
         if args.auth_user:
             root = secrets.token_urlsafe(24)
@@ -127,8 +165,10 @@ def etcd_main(argv: list[str]) -> int:
         pass
     finally:
         code = server.proc.poll() if server.proc else None
+        said = server.stderr_tail() if code not in (None, 0, -signal.SIGTERM) else ""
         server.stop()
     if code not in (None, 0, -signal.SIGTERM):
-        print(f"ftrt: error: etcd exited with code {code}.", file=sys.stderr)
+        print(f"ftrt: error: etcd exited with code {code}" + (f"; it said: {said}" if said else "") + ".",
+              file=sys.stderr)
         return 1
     return 0

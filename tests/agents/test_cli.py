@@ -142,6 +142,30 @@ def test_ftrt_etcd_serves_until_interrupted():
     assert proc.wait(15) == 0
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--port", "99999"], "argument --port: 99999 is not a port number: give 1-65535, or 0 for a free one"),
+    (["--port", "0", "--peer-port", "x"], "argument --peer-port: 'x' is not a port number"),
+    (["--port", "0", "--tls", "/proc/no/such"], "--tls /proc/no/such: cannot make or read the certificates there"),
+])
+def test_bad_ftrt_etcd_input_is_one_clear_line(argv, needle):
+    res = run_ftrt("etcd", *argv, timeout=30)
+    assert res.returncode != 0 and needle in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and "serving" not in res.stdout
+
+
+def test_ftrt_etcd_on_a_busy_port_says_so_and_does_not_claim_to_serve():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = run_ftrt("etcd", "--port", str(port), timeout=30)
+    assert res.returncode != 0, res.stdout
+    assert f"--port {port}: etcd cannot listen on 127.0.0.1:{port}" in res.stderr, res.stderr
+    assert "serving" not in res.stdout and "Traceback" not in res.stderr
+
+
 FAULT_HISTORY_SCRIPT = """
 import json, sys
 import ftrt

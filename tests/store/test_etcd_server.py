@@ -1,0 +1,66 @@
+"""The etcd member ftrt starts (``ftrt.store.etcd_server``): it dies with the process that started
+it, even by SIGKILL, and its temporary folder does not outlive that process's next start of one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ftrt.store.etcd_server import OWNER_FILE, TMP_PREFIX, EtcdServer, sweep_orphaned_data
+from tests.agents.harness import wait_until
+
+OWNER = """
+import sys, time
+from ftrt.store.etcd_server import EtcdServer
+server = EtcdServer(name="orphan", unsafe_no_fsync=True).start()
+print(server.proc.pid, server.data_dir, flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie is dead
+
+
+def test_a_member_dies_with_its_sigkilled_owner_and_the_next_start_removes_its_folder(tmp_path):
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        pid, data = owner.stdout.readline().split()
+        pid = int(pid)
+        folder = Path(data).parent
+        assert folder.name.startswith(TMP_PREFIX) and (folder / OWNER_FILE).read_text() == str(owner.pid)
+    finally:
+        owner.kill()  # SIGKILL: no cleanup of its own runs
+        owner.wait()
+    wait_until(lambda: _gone(pid), 30, "the etcd member to die with its owner")
+    assert folder.exists()  # nothing could remove it at the kill
+    with EtcdServer(name="next", unsafe_no_fsync=True) as other:  # any later start sweeps it
+        assert not folder.exists()
+        mine = Path(other.data_dir).parent
+        assert mine.exists() and (mine / OWNER_FILE).read_text() == str(os.getpid())
+        assert sweep_orphaned_data() == []  # a folder whose owner runs stays
+    assert not mine.exists()  # stop removes its own
+
+
+def test_an_etcd_that_fails_to_start_says_why(tmp_path):
+    import socket
+
+    import pytest
+
+    from ftrt.errors import FtrtError
+
+    with socket.socket() as busy:  # etcd's own check: its client port is taken
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        server = EtcdServer(name="busy", client_port=busy.getsockname()[1])
+        with pytest.raises(FtrtError) as err:
+            server.start(timeout=30)
+        server.stop()
+    assert "exited with code" in str(err.value) and "it said:" in str(err.value), str(err.value)
+    assert "address already in use" in str(err.value).lower(), str(err.value)
