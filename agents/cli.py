@@ -63,6 +63,22 @@ def config_from_namespace(ns: argparse.Namespace) -> "LaunchConfig":
     return load_config(**values)
 
 
+def check_module(module: str) -> None:
+    """Refuse ``-m module`` when no worker could import its top-level package or module: a worker
+    starts in this folder, which ``python -m`` puts first on its path. Found without importing
+    anything (a package's own imports may be heavy); a missing submodule shows in the workers."""
+    import importlib.machinery
+    import os
+    import sys
+
+    top = module.split(".")[0]
+    if top in sys.builtin_module_names or top in sys.modules:
+        return
+    if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None:
+        raise ConfigError(f"-m {module}: no module {top!r} here ({os.getcwd()}) or on this Python's path, where "
+                          "the workers would look; check the name, or install it.")
+
+
 def launch_main(argv: list[str]) -> int:
     from ftrt.agents.workers.early import EarlyStart
     from ftrt.agents.workers.warmup import warm_imports_for
@@ -78,6 +94,8 @@ def launch_main(argv: list[str]) -> int:
         )
     try:
         cfg = config_from_namespace(ns)
+        if cfg.module is not None:
+            check_module(cfg.module)
         from ftrt.agents.agent import run_agent
     except BaseException:
         if early is not None:

@@ -233,6 +233,13 @@ class LaunchConfig(BaseModel):
                 load_key(self.checkpoint_key_file)
             except ConfigError as exc:
                 raise ValueError(str(exc).rstrip(".")) from None
+        if self.standalone and self.min_nodes > 1:
+            raise ValueError(f"--standalone runs one node with an etcd of its own that no other node can reach, so "
+                             f"--nnodes {self.min_nodes}:{self.max_nodes} could never start: for several nodes start "
+                             "etcd (ftrt etcd) and launch each node with --etcd HOST:PORT")
+        if self.script is not None and os.path.isdir(self.script):
+            raise ValueError(f"the script {self.script!r} is a folder, not a Python file; give the script in it "
+                             "(or -m MODULE for a package)")
         if self.script is not None and not os.path.isfile(self.script):
             raise ValueError(f"the script {self.script!r} does not exist (looked in {os.getcwd()})")
         return self

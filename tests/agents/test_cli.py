@@ -51,6 +51,9 @@ def test_nnodes_parses(text, expect):
         (["--etcd", "127.0.0.1:2379", "--node-id", "a/b", "-m", "x"], "node id 'a/b' is not valid"),
         (["--etcd", "127.0.0.1:2379", "--lease-ttl", "0.1", "-m", "x"], "lease-ttl=0.1"),
         (["--etcd", "127.0.0.1:2379"], "Give the training script"),
+        (["--standalone", "-m", "no_such_module"], "-m no_such_module: no module 'no_such_module' here"),
+        (["--standalone", "--nnodes", "2", "-m", "ftrt.examples.ddp_steps"], "--standalone runs one node"),
+        (["--standalone", "tests"], "the script 'tests' is a folder, not a Python file"),
     ],
 )
 def test_bad_launch_input_is_one_clear_line_without_traceback(argv, needle):
