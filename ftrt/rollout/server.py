@@ -310,6 +310,20 @@ def check_model_path(spec: PolicySpec, model_dirs: list[str]) -> None:
                           "server loads only safetensors (never pickled .bin/.pt files).")
 
 
+def check_engine_args(ns: argparse.Namespace) -> None:
+    """Refuse engine flags that cannot work, at once: they are used only once the trainer's spec
+    arrives."""
+    vllm_flags = [f for f, v in (("--vllm-python", ns.vllm_python), ("--vllm-url", ns.vllm_url),
+                                 ("--vllm-dir", ns.vllm_dir)) if v]
+    if ns.engine == "vllm" and bool(ns.vllm_python) == bool(ns.vllm_url):
+        raise ConfigError("--engine vllm needs exactly one of --vllm-url (a running vLLM server) and --vllm-python "
+                          "(an interpreter with vLLM, to start one); got "
+                          + (" and ".join(vllm_flags) if vllm_flags else "neither") + ".")
+    if ns.engine == "builtin" and vllm_flags:
+        raise ConfigError(f"{', '.join(vllm_flags)} {'is' if len(vllm_flags) == 1 else 'are'} for --engine vllm; "
+                          "this server runs the builtin engine (add --engine vllm, or drop them).")
+
+
 def build_engine(ns: argparse.Namespace, spec: PolicySpec):
     """The engine ``--engine`` names, for ``spec``."""
     check_model_path(spec, ns.model_dir)
@@ -360,6 +374,7 @@ async def serve(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--port {ns.port} is not a port; give 0-65535 (0: a free one).")
     if ns.lease_ttl < 1:
         raise ConfigError(f"--lease-ttl {ns.lease_ttl} is below etcd's 1 s granularity; give at least 1.")
+    check_engine_args(ns)  # before waiting for the trainer, which may take long
     access = etcd_access.from_args(ns)
     store = EtcdStore(ns.etcd, access=access)
     keys = JobKeys(ns.job_id)

@@ -172,3 +172,20 @@ def test_a_push_is_judged_against_the_versions_the_trainer_claims():
     for bad in (b'{"versions": {"x": "00"}}', b'{"versions": {"1": "short"}}', b"[]"):
         with pytest.raises(ValueError):
             decode(bad)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--engine", "vllm"], "--engine vllm needs exactly one of --vllm-url"),
+    (["--engine", "vllm", "--vllm-url", "http://127.0.0.1:1", "--vllm-python", "python3"], "got --vllm-python and "
+     "--vllm-url"),
+    (["--vllm-python", "python3"], "--vllm-python is for --engine vllm"),
+])
+def test_engine_flags_that_cannot_work_are_refused_before_waiting_for_the_trainer(argv, needle, etcd_endpoint):
+    import subprocess
+    import sys
+
+    # the job has no trainer: a server that got as far as waiting for its spec would never return
+    res = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "rollout", "serve", "--etcd", etcd_endpoint,
+                          "--job-id", "nobody", *argv], capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and needle in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
