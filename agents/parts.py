@@ -45,7 +45,7 @@ from ftrt.roundendfile import RoundEndWriter
 from ftrt.store.access import EtcdAccess
 from ftrt.store.api import Store
 from ftrt.store.certs import tls_dir
-from ftrt.store.etcd import EtcdStore, parse_endpoints
+from ftrt.store.etcd import EtcdStore, parse_endpoints, unreachable
 from ftrt.store.etcd_server import EtcdServer
 
 log = logging.getLogger(__name__)
@@ -153,10 +153,7 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
     try:
         await store.get(keys.root, timeout=5.0)
     except StoreUnavailable as exc:
-        raise StoreUnavailable(
-            f"Cannot reach etcd at {endpoints} within 5 s. Start etcd there (ftrt etcd), "
-            "fix --etcd, or use --standalone for a single-node job."
-        ) from exc
+        raise unreachable(endpoints, 5.0, standalone=True) from exc
     token = await job_token(store, keys)
     channels = PeerChannels(cfg.agent_tls)
     stack.push_async_callback(channels.close)  # after the replicator and the monitor (closed first)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from ftrt.chaos.local import LocalNode, read_jsonl, wait_until
-from ftrt.errors import FtrtError
+from ftrt.errors import ConfigError, FtrtError
 from ftrt.store.etcd_server import EtcdServer
 
 
@@ -30,6 +30,48 @@ def _say(msg: str) -> None:
 
 
 _lines = read_jsonl
+
+MIN_STEPS = 20
+"""The fewest steps the demo runs: a node is killed a quarter in, and the job must outlast its return."""
+
+PROGRESS_EVERY_S = 10.0
+
+
+class _Watch:
+    """The demo's waits. Each gives up at once, with the agents' own reason, when the job failed
+    (an agent still meant to run exited with an error), and says every
+    :data:`PROGRESS_EVERY_S` seconds how far training got, so a wait never looks like a hang."""
+
+    def __init__(self, agents: dict[str, LocalNode], metrics: Path, steps: int, deadline: float, out: Path) -> None:
+        self.agents, self.metrics, self.steps, self.deadline, self.out = agents, metrics, steps, deadline, out
+        self.killed: set[str] = set()
+        self._said = time.monotonic()
+
+    def until(self, pred, what: str):
+        """``pred()``'s first truthy value (see the class docstring)."""
+        def check():
+            value = pred()
+            if value:
+                return value
+            self._fail_if_failed()
+            if time.monotonic() - self._said >= PROGRESS_EVERY_S:
+                self._said = time.monotonic()
+                lines = _lines(self.metrics)
+                done = (f"step {lines[-1]['step'] + 1} of {self.steps} done, world size {lines[-1]['world_size']}"
+                        if lines else "no step done yet")
+                _say(f"waiting for {what}: {done}")
+            return None
+
+        return wait_until(check, max(1.0, self.deadline - time.monotonic()), what)
+
+    def _fail_if_failed(self) -> None:
+        for nid, agent in self.agents.items():
+            code = None if nid in self.killed or agent.alive() else agent.proc.returncode
+            if code not in (None, 0):
+                said = [ln for ln in agent.log().splitlines() if "error" in ln.lower() or "failed" in ln.lower()]
+                raise FtrtError(f"The demo's job failed: {nid}'s agent exited with code {code}"
+                                + (f" ({said[-1].strip().rstrip('.')})" if said else "")
+                                + f". Agent logs are in {self.out}/.")
 
 
 def _closed_etcd(out: Path) -> tuple[EtcdServer, list[str]]:
@@ -79,20 +121,21 @@ def run_demo(out: Path, *, nodes: int = 3, steps: int = 150, kill_at: int | None
     agents = {f"node{i}": LocalNode(out, f"node{i}", launch).start() for i in range(nodes)}
     summary: dict = {"recovered": False, "recovery_s": None, "rejoin_s": None}
     events: list[tuple[float, str]] = []
+    watch = _Watch(agents, metrics, steps, deadline, out)
     try:
-        left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
-        wait_until(lambda: any(x["world_size"] == nodes for x in _lines(metrics)), left(),
-                   f"GRPO training at world size {nodes}")
+        watch.until(lambda: any(x["world_size"] == nodes for x in _lines(metrics)),
+                    f"GRPO training at world size {nodes}")
         _say(f"training GRPO at world size {nodes} (task: reverse 6 symbols; reward 1.0 = all right)")
-        wait_until(lambda: any(x["step"] >= kill_at for x in _lines(metrics)), left(), f"step {kill_at}")
+        watch.until(lambda: any(x["step"] >= kill_at for x in _lines(metrics)), f"step {kill_at}")
         victim = "node1"
         last = _lines(metrics)[-1]
+        watch.killed.add(victim)
         killed_at = agents[victim].kill()
         events.append((killed_at, f"{victim} killed"))
         _say(f"SIGKILLed {victim} (agent and worker) after step {last['step']} (reward {last['reward_mean']:.2f})")
-        first = wait_until(
+        first = watch.until(
             lambda: next((x for x in _lines(metrics) if x["world_size"] == nodes - 1 and x["time"] > killed_at), None),
-            left(), "the survivors training at the smaller world")
+            "the survivors training at the smaller world")
         summary["recovery_s"] = round(first["time"] - killed_at, 3)
         summary["recovered"] = True
         summary["restored_from"] = _restore_tier(agents.values(), nodes - 1)
@@ -105,12 +148,13 @@ def run_demo(out: Path, *, nodes: int = 3, steps: int = 150, kill_at: int | None
             again = LocalNode(out, victim, launch)
             again.log_path = out / f"agent-{victim}-rejoin.log"
             agents[victim] = again.start()
+            watch.killed.discard(victim)
             events.append((again.started_at, f"{victim} restarted"))
             _say(f"{victim} starts again: it warms up while the others keep training, then joins")
-            grown = wait_until(
+            grown = watch.until(
                 lambda: next((x for x in _lines(metrics) if x["world_size"] == nodes and x["time"] > again.started_at),
                              None) or not any(a.alive() for nid, a in agents.items() if nid != victim),
-                left(), "the world to grow back",
+                "the world to grow back",
             )
             if isinstance(grown, dict):
                 summary["rejoin_s"] = round(grown["time"] - again.started_at, 3)
@@ -118,7 +162,9 @@ def run_demo(out: Path, *, nodes: int = 3, steps: int = 150, kill_at: int | None
                      f"after {victim}'s agent started")
             else:
                 _say("the job finished before the node was warm enough to rejoin")
-        codes = {nid: a.wait(max(1.0, deadline - time.monotonic())) for nid, a in agents.items()}
+        _say(f"training on to step {steps}")
+        watch.until(lambda: not any(a.alive() for a in agents.values()), "the job to finish")
+        codes = {nid: a.wait(1.0) for nid, a in agents.items()}
     finally:
         for a in agents.values():
             a.cleanup()
@@ -178,19 +224,20 @@ def run_fleet_demo(out: Path, *, nodes: int = 3, steps: int = 150, timeout: floa
         for i in range(2):
             fleet.start(f"rollout{i}")
         agents.update({f"node{i}": LocalNode(out, f"node{i}", launch).start() for i in range(nodes)})
-        left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
-        wait_until(lambda: len(_lines(metrics)) >= 1, left(), "the first GRPO step")
+        watch = _Watch(agents, metrics, steps, deadline, out)
+        watch.until(lambda: len(_lines(metrics)) >= 1, "the first GRPO step")
         _say(f"training GRPO at world size {nodes}; every step's prompt groups go to the rollout servers")
-        wait_until(lambda: any(x["step"] >= steps // 4 for x in _lines(metrics)), left(), f"step {steps // 4}")
+        watch.until(lambda: any(x["step"] >= steps // 4 for x in _lines(metrics)), f"step {steps // 4}")
         fleet.procs["rollout0"].kill()
         events.append((time.time(), "rollout0 killed"))
         _say(f"SIGKILLed rollout server rollout0 after step {_lines(metrics)[-1]['step']}: its prompt groups go "
              "to rollout1")
-        wait_until(lambda: any(x["step"] >= steps // 2 for x in _lines(metrics)), left(), f"step {steps // 2}")
+        watch.until(lambda: any(x["step"] >= steps // 2 for x in _lines(metrics)), f"step {steps // 2}")
         fleet.start("rollout2")
         events.append((time.time(), "rollout2 added"))
         _say("started rollout server rollout2: it gets the current weights, then prompt groups")
-        codes = {nid: a.wait(max(1.0, deadline - time.monotonic())) for nid, a in agents.items()}
+        watch.until(lambda: not any(a.alive() for a in agents.values()), "the job to finish")
+        codes = {nid: a.wait(1.0) for nid, a in agents.items()}
     finally:
         for a in agents.values():
             a.cleanup()
@@ -245,6 +292,9 @@ def demo_main(argv: list[str]) -> int:
     p.add_argument("--fleet", action="store_true", help="rollouts from 2 rollout servers instead: one is killed "
                    "and another added midway, and no trainer process restarts")
     args = p.parse_args(argv)
+    if args.steps < MIN_STEPS:
+        raise ConfigError(f"ftrt demo --steps {args.steps}: give at least {MIN_STEPS} (a node is killed a quarter "
+                          "of the way in, and the job must outlast its return); the default is 150.")
     if args.fleet:
         try:
             return _fleet_summary(run_fleet_demo(Path(args.out), steps=args.steps), args.steps)

@@ -51,3 +51,30 @@ def test_fleet_demo_loses_a_rollout_server_and_the_trainer_never_restarts(tmp_pa
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(x["weight_version"] == x["step"] for x in lines)
     assert "ftrt demo --fleet summary" in res.stdout and "trainer untouched            : yes" in res.stdout
+
+
+def test_a_demo_with_too_few_steps_is_refused_at_once(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "demo", "--out", str(tmp_path / "d"), "--steps", "-5"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "ftrt demo --steps -5: give at least 20" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "d").exists()
+
+
+def test_the_demo_stops_waiting_with_the_agents_reason_once_its_job_failed(tmp_path):
+    import time
+
+    from ftrt.chaos.local import LocalNode
+    from ftrt.demo import _Watch
+    from ftrt.errors import FtrtError
+
+    script = tmp_path / "fails.py"
+    script.write_text("import sys; sys.exit(3)\n")
+    node = LocalNode(tmp_path, "node0", ["--standalone", "--max-restarts", "0", "--no-warm", str(script)]).start()
+    watch = _Watch({"node0": node}, tmp_path / "metrics.jsonl", 150, time.monotonic() + 120, tmp_path)
+    try:
+        with pytest.raises(FtrtError) as err:
+            watch.until(lambda: False, "step 37")  # never: only the failure ends this wait
+    finally:
+        node.cleanup()
+    assert "The demo's job failed: node0's agent exited with code" in str(err.value), str(err.value)
+    assert "exited with code 3" in str(err.value) or "restart" in str(err.value), str(err.value)

@@ -13,12 +13,12 @@ import argparse
 import asyncio
 import time
 
-from ftrt.errors import FtrtError
+from ftrt.errors import FtrtError, StoreUnavailable
 from ftrt.jobkeys import JobKeys, check_id
 from ftrt.records import DrainRequest, NodeRecord, decode, encode
 from ftrt.store import access as etcd_access
 from ftrt.store.access import EtcdAccess
-from ftrt.store.etcd import EtcdStore
+from ftrt.store.etcd import EtcdStore, unreachable
 
 
 async def request_drain(endpoints: str, job_id: str, node_id: str, *, reason: str = "",
@@ -28,7 +28,10 @@ async def request_drain(endpoints: str, job_id: str, node_id: str, *, reason: st
     keys = JobKeys(job_id)
     store = EtcdStore(endpoints, timeout=timeout, access=access)
     try:
-        kv, _ = await store.get(keys.node(node_id))
+        try:
+            kv, _ = await store.get(keys.node(node_id))
+        except StoreUnavailable as exc:
+            raise unreachable(endpoints, timeout) from exc
         if kv is None:
             raise FtrtError(f"No node {node_id!r} is registered in job {job_id!r}: `ftrt status --etcd {endpoints} "
                             f"--job-id {job_id}` lists its nodes.")

@@ -16,7 +16,7 @@ import time
 
 from ftrt.agents.ops.events import recent_events
 from ftrt.auth import JobToken, read_token
-from ftrt.errors import FtrtError
+from ftrt.errors import FtrtError, StoreUnavailable
 from ftrt.jobkeys import JobKeys, check_id
 from ftrt.records import DeciderRecord, JobState, NodeRecord, RoundRecord, decode
 from ftrt.roster import load_round
@@ -25,7 +25,11 @@ from ftrt.agents.peers.tls import PLAINTEXT, AgentTls
 from ftrt.store import access as etcd_access
 from ftrt.store.access import EtcdAccess
 from ftrt.store.api import Get
-from ftrt.store.etcd import EtcdStore
+from ftrt.store.etcd import EtcdStore, unreachable
+
+
+UNKNOWN_JOB = "unknown job (no agents, no round)"
+"""The state of a job etcd knows nothing of."""
 
 
 async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout: float = 3.0,
@@ -34,7 +38,10 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
     keys = JobKeys(job_id)
     store = EtcdStore(endpoints, timeout=timeout, access=access)
     try:
-        res = await store.txn([], [Get(keys.nodes, prefix=True), Get(keys.rdzv, prefix=True)])
+        try:
+            res = await store.txn([], [Get(keys.nodes, prefix=True), Get(keys.rdzv, prefix=True)])
+        except StoreUnavailable as exc:
+            raise unreachable(endpoints, timeout) from exc
         nodes: dict[str, NodeRecord] = {}
         rnd: RoundRecord | None = None
         job: JobState | None = None
@@ -63,7 +70,7 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
     if job is not None:
         state = job.state
     elif rnd is None:
-        state = "waiting for nodes" if nodes else "unknown job (no agents, no round)"
+        state = "waiting for nodes" if nodes else UNKNOWN_JOB
     else:
         state = "running" if rnd.active else "waiting for nodes (below minimum)"
     return {
@@ -249,5 +256,8 @@ def status_main(argv: list[str]) -> int:
             pass
         return 0
     st = asyncio.run(collect_status(args.etcd, args.job_id, args.events, access=access, agent_tls=tls))
+    if st["state"] == UNKNOWN_JOB:
+        raise FtrtError(f"No job {args.job_id!r} in etcd at {args.etcd}: no agent has registered in it and no round "
+                        "was written. Check --job-id (the id given to ftrt launch) and --etcd.")
     print(json.dumps(st, indent=2) if args.json else render(st))
     return 0

@@ -75,6 +75,14 @@ _COMPARE_TARGET = {
 }
 
 
+def unreachable(endpoints: str, seconds: float, *, standalone: bool = False) -> StoreUnavailable:
+    """The one error every command gives when etcd did not answer: where, for how long, what to do
+    (``standalone``: also mention ``--standalone``, for ``ftrt launch``)."""
+    return StoreUnavailable(f"Cannot reach etcd at {endpoints} within {seconds:g} s. Start etcd there (ftrt etcd)"
+                            + (", fix --etcd, or use --standalone for a single-node job." if standalone
+                               else " or fix --etcd."))
+
+
 def endpoints_use_tls(spec: str | Sequence[str]) -> bool:
     """Whether the endpoints are written ``https://`` (all of them or none; a mix is an error)."""
     items = [x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if x.strip()]

@@ -121,7 +121,16 @@ def test_status_shows_members_round_workers_and_events(tmp_path, etcd_endpoint, 
 
 def test_status_of_unknown_job_says_so(etcd_endpoint):
     res = run_ftrt("status", "--etcd", etcd_endpoint, "--job-id", "no-such-job")
-    assert res.returncode == 0 and "unknown job" in res.stdout
+    assert res.returncode != 0 and f"No job 'no-such-job' in etcd at {etcd_endpoint}" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("command", [["status", "--job-id", "j"], ["drain", "--job-id", "j", "a"]])
+def test_every_command_says_the_same_when_etcd_is_unreachable(command):
+    res = run_ftrt(command[0], "--etcd", "127.0.0.1:1", *command[1:], timeout=60)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "ftrt: error: Cannot reach etcd at 127.0.0.1:1 within 3 s. Start etcd there (ftrt etcd) or fix --etcd." \
+        in res.stderr, res.stderr
 
 
 def test_runtime_outside_ftrt_is_a_world_of_one():
