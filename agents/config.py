@@ -260,7 +260,7 @@ def load_config(**values) -> LaunchConfig:
         parts = []
         for err in exc.errors():
             loc = ".".join(str(x) for x in err["loc"])
-            msg = err["msg"].removeprefix("Value error, ")
+            msg = err["msg"].removeprefix("Value error, ").rstrip(".")
             if loc:
                 parts.append(f"{loc.replace('_', '-')}={err.get('input')!r}: {msg}")
             else:

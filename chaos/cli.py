@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ftrt.cli.text import help_summary
 from ftrt.errors import ConfigError, FtrtError
 
 STORM_JOB = {"prompts_per_step": 8, "group_size": 4, "model.d_model": 32, "model.n_layers": 1,
@@ -16,7 +17,7 @@ STORM_JOB = {"prompts_per_step": 8, "group_size": 4, "model.d_model": 32, "model
 def chaos_main(argv: list[str]) -> int:
     from ftrt.chaos.scenario import builtin, load_scenario
 
-    p = argparse.ArgumentParser(prog="ftrt chaos", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="ftrt chaos", description=help_summary(__doc__))
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="the built-in scenarios with a one-line description")
     run = sub.add_parser("run", help="run scenarios; exit 0 only when every invariant holds")

@@ -1,7 +1,7 @@
 """``ftrt ckpt ls|inspect|verify URL [STEP]``: look at and check checkpoints without a job.
 
 ``verify`` exits non-zero naming the bad step and file; ``ls`` marks folders without a valid
-manifest as not committed (restore ignores them). With ``--key-file`` (or
+manifest as not committed (restore ignores them). With ``--checkpoint-key-file`` (or
 ``$FTRT_CHECKPOINT_KEY``), only checkpoints signed under the job's key count, as at restore. With
 ``--etcd EP --job-id J`` (and the ``--etcd-*`` access flags of a secured etcd), the job's
 ``latest`` pointer is read too: ``ls`` marks it, steps above it are not trusted (as at restore),
@@ -14,6 +14,7 @@ import argparse
 import json
 import time
 
+from ftrt.cli.text import help_summary
 from ftrt.checkpoint import manifest as mf
 from ftrt.checkpoint.signing import load_key
 from ftrt.checkpoint.storage import is_storage_error, list_steps, parse_url, step_dir, storage_problem
@@ -42,12 +43,12 @@ def _human(n: int) -> str:
 
 
 def ckpt_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ftrt ckpt", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="ftrt ckpt", description=help_summary(__doc__))
     p.add_argument("action", choices=("ls", "inspect", "verify"))
     p.add_argument("url", help="checkpoint URL (path, file://, s3://bucket/prefix)")
     p.add_argument("step", nargs="?", type=int, help="step (default: the newest committed)")
     p.add_argument("--storage-options", default=None, help="fsspec options as JSON")
-    p.add_argument("--key-file", default=None, metavar="FILE",
+    p.add_argument("--checkpoint-key-file", "--key-file", dest="key_file", default=None, metavar="FILE",
                    help="the job's checkpoint key (also $FTRT_CHECKPOINT_KEY): only checkpoints signed under it "
                         "count as committed and verify")
     p.add_argument("--etcd", default=None, metavar="HOST:PORT[,...]", help="the job's etcd, to read its latest pointer")
@@ -85,12 +86,19 @@ def _act(args: argparse.Namespace, loc, key, latest: int | None) -> int:
                 print(f"step {s:>10}  NOT COMMITTED  ({exc})")
         return 0
     step = args.step
+    passed_over: list[tuple[int, str]] = []  # newer steps a restore would skip, with why
     if step is None:
-        committed = [s for s in steps if (not args.etcd or (latest is not None and s <= latest))
-                     and _committed(loc, s, key)]
-        if not committed:
-            raise CheckpointCorrupt(f"No committed checkpoint under {args.url}.")
-        step = committed[-1]
+        trusted = [s for s in steps if not args.etcd or (latest is not None and s <= latest)]
+        for s in reversed(trusted):
+            why = _not_committed(loc, s, key)
+            if why is None:
+                step = s
+                break
+            passed_over.append((s, why))
+        if step is None:
+            raise CheckpointCorrupt(f"No committed checkpoint under {args.url}"
+                                    + (f": step {passed_over[0][0]}, the newest, {passed_over[0][1]}" if passed_over
+                                       else "") + ".")
     if step not in steps:
         raise ConfigError(f"There is no checkpoint step {step} under {args.url} (steps: {steps or 'none'}).")
     if args.action == "inspect":
@@ -105,6 +113,11 @@ def _act(args: argparse.Namespace, loc, key, latest: int | None) -> int:
         ", signed (no key given to check it)" if m.signature else ", unsigned")
     print(f"step {step}: {len(m.files)} files, {_human(m.total_bytes)}, all sizes and {m.checksum} sums match"
           f"{signed} ({time.monotonic() - t0:.2f} s)")
+    if passed_over:
+        newer = "; ".join(f"step {s} {why}" for s, why in passed_over)
+        raise CheckpointCorrupt(f"Newer checkpoints under {args.url} are not committed, so a restore skips them and "
+                                f"takes step {step}: {newer}. (A save still being written is not committed yet: "
+                                "verify again once it is done.)")
     return 0
 
 
@@ -124,9 +137,11 @@ def _pointer(args: argparse.Namespace) -> int | None:
         ptr.close()
 
 
-def _committed(loc, step: int, key=None) -> bool:
+def _not_committed(loc, step: int, key=None) -> str | None:
+    """Why ``step`` is not committed (its manifest is missing, damaged or not signed under ``key``),
+    or None when it is."""
     try:
         mf.read_manifest(loc, step_dir(step), key)
-        return True
-    except CheckpointCorrupt:
-        return False
+        return None
+    except CheckpointCorrupt as exc:
+        return f"is not committed ({str(exc).rstrip('.')})"

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from ftrt.cli.text import help_summary
 from ftrt.chaos.local import LocalNode, read_jsonl, wait_until
 from ftrt.errors import ConfigError, FtrtError
 from ftrt.store.etcd_server import EtcdServer
@@ -285,7 +286,7 @@ def _fleet_summary(s: dict, steps: int) -> int:
 
 
 def demo_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ftrt demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="ftrt demo", description=help_summary(__doc__))
     p.add_argument("--out", default="ftrt-demo", help="output directory (default ./ftrt-demo)")
     p.add_argument("--steps", type=int, default=150, help="GRPO steps (default 150)")
     p.add_argument("--no-rejoin", dest="rejoin", action="store_false", help="do not restart the lost node")

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import time
 
+from ftrt.cli.text import help_summary
 from ftrt.errors import FtrtError, StoreUnavailable
 from ftrt.jobkeys import JobKeys, check_id
 from ftrt.records import DrainRequest, NodeRecord, decode, encode
@@ -53,7 +54,7 @@ async def request_drain(endpoints: str, job_id: str, node_id: str, *, reason: st
 
 
 def drain_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ftrt drain", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="ftrt drain", description=help_summary(__doc__))
     p.add_argument("node", help="the node id to drain (as ftrt status lists it)")
     p.add_argument("--etcd", "--rdzv-endpoint", dest="etcd", required=True, help="etcd endpoints HOST:PORT[,...]")
     p.add_argument("--job-id", "--rdzv-id", dest="job_id", required=True, help="the job's id")

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import time
 
+from ftrt.cli.text import help_summary
 from ftrt.agents.ops.events import recent_events
 from ftrt.auth import JobToken, read_token
 from ftrt.errors import FtrtError, StoreUnavailable
@@ -235,7 +236,7 @@ async def watch_status(endpoints: str, job_id: str, *, access: EtcdAccess = Etcd
 
 
 def status_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ftrt status", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="ftrt status", description=help_summary(__doc__))
     p.add_argument("--etcd", "--rdzv-endpoint", dest="etcd", required=True, help="etcd endpoints HOST:PORT[,...]")
     p.add_argument("--job-id", "--rdzv-id", dest="job_id", required=True, help="the job's id")
     p.add_argument("--events", type=int, default=10, help="how many recent events to show (default 10)")

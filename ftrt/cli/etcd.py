@@ -7,7 +7,7 @@ Closed by default: etcd serves clients over TLS and requires a client certificat
 made for it in this user's state directory (:mod:`ftrt.store.localetcd`), which ftrt's commands on
 this host find by the endpoint, so they need no flags; a process that cannot read that folder can
 neither read nor write etcd (the job's token is there). ``--tls DIR`` puts the CA and certificates
-in DIR instead (:mod:`ftrt.store.certs`); ``--auth-user NAME`` also turns etcd's auth on, with NAME
+in DIR instead (:mod:`ftrt.store.certs`); ``--etcd-user NAME`` also turns etcd's auth on, with NAME
 allowed to read and write ``/ftrt/``. ``--insecure`` serves plaintext to anyone who reaches the
 port. The command prints the ``--etcd*`` flags an agent on another host needs; ``--cert-host NAME``
 puts the name those agents dial it by into its certificate (deploy/slurm/ftrt.sbatch: the head
@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from ftrt.cli.text import help_summary
 from ftrt.errors import ConfigError
 from ftrt.store import localetcd
 from ftrt.store.access import ENV_PASSWORD
@@ -58,7 +59,7 @@ def _check_free(host: str, port: int, flag: str) -> None:
 
 
 def etcd_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ftrt etcd", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ftrt etcd", description=help_summary(__doc__))
     parser.add_argument("--data-dir", default=None, help="data directory (default: a temporary one, removed on exit)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=2379, help="client port (default 2379; 0 picks a free one)")
@@ -68,10 +69,12 @@ def etcd_main(argv: list[str]) -> int:
     parser.add_argument("--tls", default=None, metavar="DIR",
                         help="serve clients over TLS with client certificates; makes a CA and certificates in "
                              "DIR unless it has them")
-    parser.add_argument("--auth-user", default=None, metavar="NAME",
+    parser.add_argument("--etcd-user", "--auth-user", dest="auth_user", default=None, metavar="NAME",
                         help=f"turn etcd's auth on with this user (read and write on /ftrt/); its password comes "
-                             f"from ${ENV_PASSWORD} or --password-file (root's is written to DIR/root-password)")
-    parser.add_argument("--password-file", default=None, metavar="FILE", help="file with --auth-user's password")
+                             f"from ${ENV_PASSWORD} or --etcd-password-file (root's is written to DIR/root-password); "
+                             "clients then pass the same --etcd-user and --etcd-password-file")
+    parser.add_argument("--etcd-password-file", "--password-file", dest="password_file", default=None,
+                        metavar="FILE", help="file with --etcd-user's password")
     parser.add_argument("--cert-host", action="append", default=[], metavar="NAME",
                         help="a host name or address clients on other hosts dial this etcd at, which its server "
                              "certificate must name (repeatable; e.g. the node's name when --host is 0.0.0.0)")
@@ -80,16 +83,16 @@ def etcd_main(argv: list[str]) -> int:
                              "the job's token and join or rewrite the job (default: closed, see ftrt/store/localetcd.py)")
     args = parser.parse_args(argv)
     if args.insecure and (args.tls or args.auth_user):
-        raise ConfigError("--insecure serves plaintext to anyone; it cannot go with --tls or --auth-user.")
+        raise ConfigError("--insecure serves plaintext to anyone; it cannot go with --tls or --etcd-user.")
     if args.insecure and args.cert_host:
         raise ConfigError("--cert-host names hosts in etcd's certificate, but --insecure serves plaintext without one.")
     if args.auth_user == "root":
-        raise ConfigError("--auth-user root: etcd's root user is made for you (its password goes to DIR/root-password); "
+        raise ConfigError("--etcd-user root: etcd's root user is made for you (its password goes to DIR/root-password); "
                           "name the job's user something else.")
     if args.auth_user and not args.tls:
-        raise ConfigError("--auth-user needs --tls DIR: etcd's passwords must not cross the network in plaintext.")
+        raise ConfigError("--etcd-user needs --tls DIR: etcd's passwords must not cross the network in plaintext.")
     if args.auth_user and args.data_dir and Path(args.data_dir).exists() and any(Path(args.data_dir).iterdir()):
-        raise ConfigError(f"--auth-user sets up users in a new etcd, but --data-dir {args.data_dir} holds one "
+        raise ConfigError(f"--etcd-user sets up users in a new etcd, but --data-dir {args.data_dir} holds one "
                           "already (with whatever users it has); give an empty or new folder.")
     password = ""
     if args.auth_user:
@@ -97,13 +100,13 @@ def etcd_main(argv: list[str]) -> int:
             lines = Path(args.password_file).read_text().splitlines() if Path(args.password_file).is_file() else []
             password = lines[0] if lines else ""
             if not password:
-                raise ConfigError(f"--password-file {args.password_file} is missing or empty; put the password "
+                raise ConfigError(f"--etcd-password-file {args.password_file} is missing or empty; put the password "
                                   "on its first line.")
         else:
             password = os.environ.get(ENV_PASSWORD, "")
             if not password:
-                raise ConfigError(f"--auth-user {args.auth_user} needs a password: set {ENV_PASSWORD} or pass "
-                                  "--password-file FILE.")
+                raise ConfigError(f"--etcd-user {args.auth_user} needs a password: set {ENV_PASSWORD} or pass "
+                                  "--etcd-password-file FILE.")
     _check_free(args.host, args.port, "--port")
     _check_free(args.host, args.peer_port, "--peer-port")
     server = EtcdServer(

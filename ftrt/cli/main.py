@@ -59,7 +59,7 @@ def _cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_grpo(args: argparse.Namespace, rest: list[str]) -> int:
     from ftrt.grpo.__main__ import main as grpo_main
 
-    return grpo_main(rest)
+    return grpo_main(rest, prog="ftrt grpo")
 
 
 def _cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:

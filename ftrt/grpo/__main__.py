@@ -8,11 +8,11 @@ import sys
 from ftrt.errors import FtrtError
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m ftrt.grpo") -> int:
     from ftrt.grpo.config import help_text, load_config
 
     p = argparse.ArgumentParser(
-        prog="python -m ftrt.grpo",
+        prog=prog,
         description="Train GRPO on a verifiable task, alone or under ftrt launch (data parallel).",
         epilog="Example: ftrt launch --standalone --nproc-per-node 2 -m ftrt.grpo steps=200 "
                "checkpoint.url=/tmp/ck. --help-config lists every field.",

@@ -399,10 +399,10 @@ def serve_main(argv: list[str]) -> int:
 
 def rollout_main(argv: list[str]) -> int:
     """``ftrt rollout SUBCOMMAND``: today ``serve``."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: ftrt rollout serve --etcd HOST:PORT --job-id ID [--server-id NAME] [--host ADDR] [--port P]\n"
-              "Serve rollouts for one job's trainer (rollout.mode=fleet); ftrt rollout serve --help for more.")
-        return 0
-    if argv[0] != "serve":
-        raise ConfigError(f"Unknown rollout command {argv[0]!r}; use: ftrt rollout serve ...")
-    return serve_main(argv[1:])
+    p = argparse.ArgumentParser(prog="ftrt rollout", description="Rollout servers for a job's trainer "
+                                "(rollout.mode=fleet); see docs/rollout.md.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub.add_parser("serve", help="serve rollouts for one job's trainer: ftrt rollout serve --etcd HOST:PORT "
+                   "--job-id ID (ftrt rollout serve --help for every flag)", add_help=False)
+    ns, rest = p.parse_known_args(argv[:1])
+    return serve_main(rest + argv[1:])

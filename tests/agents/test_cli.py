@@ -48,7 +48,7 @@ def test_nnodes_parses(text, expect):
         (["--etcd", "127.0.0.1:2379", "--nnodes", "two", "x.py"], "is not N or MIN:MAX"),
         (["--etcd", "127.0.0.1:2379", "does_not_exist.py"], "does not exist"),
         (["-m", "ftrt.examples.ddp_steps"], "pass --etcd HOST:PORT"),
-        (["--etcd", "127.0.0.1:2379", "--node-id", "a/b", "-m", "x"], "node id 'a/b' is not valid"),
+        (["--etcd", "127.0.0.1:2379", "--node-id", "a/b", "-m", "x"], "starting with a letter or digit.\n"),
         (["--etcd", "127.0.0.1:2379", "--lease-ttl", "0.1", "-m", "x"], "lease-ttl=0.1"),
         (["--etcd", "127.0.0.1:2379"], "Give the training script"),
         (["--standalone", "-m", "no_such_module"], "-m no_such_module: no module 'no_such_module' here"),
@@ -61,6 +61,14 @@ def test_bad_launch_input_is_one_clear_line_without_traceback(argv, needle):
     assert res.returncode != 0
     assert needle in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("command", ["launch", "status", "drain", "etcd", "ckpt", "chaos", "grpo", "rollout", "demo",
+                                     "rollout serve", "chaos storm"])
+def test_every_command_has_argparse_help_under_its_own_name_without_markup(command):
+    res = run_ftrt(*command.split(), "--help", timeout=60)
+    assert res.returncode == 0 and res.stdout.startswith(f"usage: ftrt {command} "), res.stdout[:300]
+    assert "``" not in res.stdout and ":func:" not in res.stdout and ":class:" not in res.stdout, res.stdout
 
 
 def test_config_error_names_field_and_value():

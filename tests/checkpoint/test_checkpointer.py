@@ -256,6 +256,13 @@ def test_cli_ls_inspect_verify(tmp_path):
     assert ftrt("verify", str(root), "1").returncode == 0
     missing = ftrt("verify", str(root), "7")
     assert missing.returncode != 0 and "no checkpoint step 7" in missing.stderr
+    # the newest manifest damaged: verify checks the step a restore would take, and fails naming the newer one
+    _corrupt(root / step_dir(2) / "manifest.json", "truncate")
+    newest = ftrt("verify", str(root))
+    assert newest.stdout.startswith("step 1:"), newest.stdout
+    assert newest.returncode != 0 and "a restore skips them and takes step 1: step 2 is not committed (" \
+        in newest.stderr, newest.stderr
+    assert "Traceback" not in newest.stderr
 
 
 def test_s3_round_trip(s3):
