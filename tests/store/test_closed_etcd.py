@@ -70,15 +70,15 @@ def test_ftrt_etcd_is_closed_by_default_and_the_hosts_ftrt_commands_need_no_flag
         assert oct(folder.stat().st_mode & 0o777) == "0o700"
         assert {oct(p.stat().st_mode & 0o777) for p in folder.glob("*key.pem")} == {"0o600"}
 
-        status = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "status", "--etcd", f"127.0.0.1:{port}",
-                                 "--job-id", job_id, "--json"], capture_output=True, text=True, timeout=60)
-        assert status.returncode == 0, status.stderr[-2000:]
-        assert json.loads(status.stdout)["job_id"] == job_id
         launched = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "launch", "--etcd", f"127.0.0.1:{port}",
                                    "--job-id", job_id, "--nnodes", "1", "--no-warm", "-m", "ftrt.examples.ddp_steps",
                                    "--steps", "3", "--step-time", "0.01"], capture_output=True, text=True, timeout=120)
         assert launched.returncode == 0, launched.stderr[-3000:]  # the README's launch line, no flags
         assert "anyone who can reach it" not in launched.stderr, launched.stderr[-3000:]
+        status = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "status", "--etcd", f"127.0.0.1:{port}",
+                                 "--job-id", job_id, "--json"], capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr[-2000:]
+        assert json.loads(status.stdout)["job_id"] == job_id
         elsewhere = {**os.environ, "FTRT_STATE_DIR": str(tmp_path / "another-user")}  # no certificate
         refused = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "status", "--etcd", f"127.0.0.1:{port}",
                                   "--job-id", job_id, "--json"], capture_output=True, text=True, timeout=60,
