@@ -103,6 +103,10 @@ class GRPOConfig(Strict):
                          "reproducible)")
     metrics_path: str | None = Field("grpo-metrics.jsonl", description="rank 0 appends one JSON "
                                      "line per step here (none: no file)")
+    resume: Literal["auto", "force"] = Field("auto", description="auto: resume the newest checkpoint at "
+                                             "checkpoint.url only if it was written with the same training fields "
+                                             "(steps, files, checkpoint and fleet settings may change), else refuse "
+                                             "and say what differs; force: resume it anyway")
     progress: Literal["auto", "bar", "none"] = Field("auto", description="progress bar: auto shows "
                                                      "it on a terminal")
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import ftrt
 from ftrt import _diag
 from ftrt.grpo.checkpointing import Cadences, SaveDecision, Saves, decide_save
+from ftrt.grpo import runconfig
 from ftrt.grpo.config import GRPOConfig
 from ftrt.grpo.loss import aggregate, clipped_surrogate, group_advantages, k3_kl
 from ftrt.grpo.salvage import Redo, Salvage, agree_on_redo, claim, rows_to_compute, shard
@@ -255,6 +256,8 @@ class _Step:
 
 def train(cfg: GRPOConfig) -> dict[str, Any]:
     """Run (or resume) the configured GRPO job; return rank 0's summary (others: a partial one)."""
+    if cfg.checkpoint.url:
+        _check_run_config(cfg)
     run = _setup(cfg)
     t_start = time.perf_counter()
     rewards: list[float] = []
@@ -266,6 +269,22 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     if not ended_for_round:
         run.rt.done()  # what follows (the summary, destroying the process group) is teardown, not a hang
     return _finish(run, rnd, rewards, time.perf_counter() - t_start, ended_for_round)
+
+
+def _check_run_config(cfg: GRPOConfig) -> None:
+    """Refuse to resume checkpoints written under other training fields (:mod:`ftrt.grpo.runconfig`),
+    unless ``resume=force``; rank 0 records this run's fields where none are, or when forced on."""
+    from ftrt.checkpoint.storage import list_steps, parse_url
+
+    has_checkpoint = bool(list_steps(parse_url(cfg.checkpoint.url, cfg.checkpoint.storage_options)))
+    differ = runconfig.check(cfg, has_checkpoint)
+    if ftrt.init().rank != 0:
+        return
+    if differ:
+        print(f"[ftrt.grpo] resume=force: going on from checkpoints written with another configuration: "
+              f"{'; '.join(differ)}", flush=True)
+    if differ or not has_checkpoint or runconfig.saved_fields(cfg) is None:
+        runconfig.record(cfg)
 
 
 def _loop(run: _Run, rnd: _Round, rewards: list[float]) -> tuple[bool, _Round]:
@@ -508,6 +527,10 @@ def _restore(run: _Run, ck: Checkpointer | None, cadence: Cadences, metrics: Met
         tr["redone"] += dropped
         print(f"[ftrt.grpo] resumed at step {tr['step']} of {cfg.steps} (world size {world}, from "
               f"{ck.last_restore_tier}); {dropped} uncommitted step(s) will be redone", flush=True)
+        if tr["step"] >= cfg.steps:
+            print(f"[ftrt.grpo] the run is already finished: its checkpoint at {cfg.checkpoint.url} is at step "
+                  f"{tr['step']} of steps={cfg.steps}, so nothing is trained. Give a larger steps= to train on, or "
+                  "another checkpoint.url for a new run.", flush=True)
         return
     if dropped:
         print(f"[ftrt.grpo] no checkpoint to resume from: starting at step 0 and clearing "
