@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import glob
 import json
 import logging
 import os
@@ -41,6 +40,7 @@ from ftrt.auth import JobToken
 from ftrt.jobkeys import check_id
 from ftrt.agents.peers.claims import Claim, ClaimBook, ReplicaGate, hasher
 from ftrt.privatefiles import private_dir, private_file
+from ftrt.tmpdirs import owned_dir
 from ftrt.agents.peers.tls import PLAINTEXT, PeerChannels
 from ftrt.checkpoint.memfiles import current_slot, invalidate_slot, publish_index
 from ftrt.checkpoint.memindex import check_index
@@ -52,23 +52,11 @@ CHUNK = 1 << 20
 
 
 def make_mem_dir() -> str:
-    """The node's memory-tier directory on tmpfs (``/dev/shm``) when there is one.
-
-    The name carries the agent's pid, and leftovers of agents that died on this machine (a node
-    killed with SIGKILL cannot clean up) are removed here.
-    """
+    """The node's memory-tier directory on tmpfs (``/dev/shm``) when there is one, private (0700):
+    the job's weights, which no other local user reads or plants. Named for this agent's pid, so
+    that the next agent on this machine removes it if this one is killed (:mod:`ftrt.tmpdirs`)."""
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = base or os.environ.get("TMPDIR", "/tmp")
-    for stale in glob.glob(os.path.join(root, "ftrt-mem-*")):
-        try:
-            pid = int(Path(stale).name.split("-")[2])
-        except (IndexError, ValueError):
-            continue
-        if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
-            shutil.rmtree(stale, ignore_errors=True)
-    path = os.path.join(root, f"ftrt-mem-{os.getpid()}-{time.monotonic_ns() % 100000}")
-    private_dir(path)  # the job's weights: no other local user reads or plants them
-    return path
+    return owned_dir("ftrt-mem-", base or os.environ.get("TMPDIR", "/tmp"))
 
 
 class Replicator:

@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 from dataclasses import dataclass, field
 
 from ftrt import _diag, envnames, roundendfile
@@ -20,6 +19,7 @@ from ftrt.agents.workers.fence import FenceWriter
 from ftrt.agents.peers.replicator import make_mem_dir
 from ftrt.agents.workers.procs import Spawned, spawn_bootstrap
 from ftrt.agents.workers.template import spawn_template
+from ftrt.tmpdirs import owned_dir
 
 
 @dataclass
@@ -38,7 +38,7 @@ class EarlyStart:
 
     @classmethod
     def begin(cls, *, nproc: int, warm: bool, warm_imports: tuple[str, ...], spawn: bool = True) -> "EarlyStart":
-        run_dir = tempfile.mkdtemp(prefix="ftrt-agent-")
+        run_dir = owned_dir("ftrt-agent-")  # removed by the next agent here if this one is killed
         fence = FenceWriter(os.path.join(run_dir, "fence"))
         round_end = roundendfile.RoundEndWriter(os.path.join(run_dir, "round_end"))
         mem_dir = make_mem_dir()

@@ -27,6 +27,7 @@ from ftrt import envnames
 from ftrt.errors import ConfigError, FtrtError
 from ftrt.privatefiles import write_private
 from ftrt.procs import dying_with_this_process
+from ftrt.tmpdirs import owned_dir
 from ftrt.store.access import EtcdAccess
 from ftrt.store.certs import TlsFiles
 
@@ -68,47 +69,8 @@ def find_etcd_binary(explicit: str | os.PathLike | None = None) -> str:
 
 
 TMP_PREFIX = "ftrt-etcd-"
-"""Temporary data directories of :class:`EtcdServer` are ``<tmp>/ftrt-etcd-<name>-<random>/``."""
-
-OWNER_FILE = "owner.pid"
-"""In such a directory (beside etcd's ``data/``): the pid of the process that started the member."""
-
-
-def sweep_orphaned_data(tmp: str | None = None) -> list[str]:
-    """Remove this user's temporary etcd data directories whose owner process is gone (it was
-    killed before it could stop its member, which died with it); return them. A directory whose
-    owner still runs, or that is not this user's, is left alone."""
-    root = Path(tmp or tempfile.gettempdir())
-    removed = []
-    try:
-        candidates = [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX) and p.is_dir()]
-    except OSError:
-        return removed
-    for folder in candidates:
-        try:
-            if folder.stat().st_uid != os.getuid():
-                continue
-            pid = int((folder / OWNER_FILE).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if pid == os.getpid() or _running(pid):
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(str(folder))
-    if removed:
-        log.info("removed %d data folder(s) of etcd members whose owner was killed: %s", len(removed),
-                 ", ".join(removed))
-    return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+"""Temporary data directories of :class:`EtcdServer`: ``<tmp>/ftrt-etcd-<owner pid>-<random>/data``
+(:mod:`ftrt.tmpdirs`: a killed owner's is removed by the next start of one on this machine)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -216,13 +178,11 @@ class EtcdServer:
         The member dies with this process, even when this process is SIGKILLed
         (:func:`ftrt.procs.dying_with_this_process`). A temporary data directory (no ``data_dir``
         given) is removed by :meth:`stop`, or, if this process was killed first, by the next
-        :meth:`start` of any server on this machine (:func:`sweep_orphaned_data`)."""
+        :meth:`start` of any server on this machine (:mod:`ftrt.tmpdirs`)."""
         if self.proc is not None and self.proc.poll() is None:
             return self
         if self.data_dir is None:
-            sweep_orphaned_data()
-            self._tmp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{self.name}-")
-            Path(self._tmp, OWNER_FILE).write_text(str(os.getpid()))
+            self._tmp = owned_dir(TMP_PREFIX)
             self.data_dir = os.path.join(self._tmp, "data")
         if self._log_file is not None:  # a restart after kill()
             self._log_file.close()

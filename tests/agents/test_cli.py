@@ -232,3 +232,40 @@ def test_a_warm_worker_starts_with_the_checkpointer_imported_and_its_start_can_b
     marks = [json.loads(line) for line in trace.read_text().splitlines()]
     # Only the assignments: a busy machine may also trace a slow garbage collection ("gc").
     assert sorted((m["event"], m["rank"]) for m in marks if m["event"] != "gc") == [("assigned", "0"), ("assigned", "1")]
+
+
+def test_a_sigkilled_standalone_launch_leaves_nothing_the_next_launch_does_not_remove(tmp_path):
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from ftrt.procs import descendants
+    from ftrt.tmpdirs import owner
+
+    script = tmp_path / "forever.py"
+    script.write_text("import time\nwhile True: time.sleep(1)\n")
+    log = open(tmp_path / "agent.log", "wb")
+    agent = subprocess.Popen([sys.executable, "-m", "ftrt.cli.main", "launch", "--standalone", "--no-warm",
+                              str(script)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "round 1: started ranks" in (tmp_path / "agent.log").read_text(), 120, "the job's start")
+        tree = descendants(agent.pid)
+        mine = [p for root in (tempfile.gettempdir(), "/dev/shm") for p in Path(root).glob("ftrt-*")
+                if owner(p.name, p.name[:p.name.index("-", 5) + 1]) == agent.pid]
+        assert {p.name.split("-")[1] for p in mine} == {"agent", "mem", "etcd"}, mine  # run folder, memory, etcd
+    finally:
+        agent.kill()  # SIGKILL: the agent cleans nothing up
+        agent.wait()
+        log.close()
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    wait_until(lambda: not any(alive(p) for p in tree), 30, "the agent's etcd and workers to die with it")
+    res = run_ftrt("launch", "--standalone", "--no-warm", "-m", "ftrt.examples.ddp_steps", "--steps", "2",
+                   "--step-time", "0.01", timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not [p for p in mine if p.exists()], mine  # the next launch swept the killed one's folders

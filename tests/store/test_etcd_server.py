@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ftrt.store.etcd_server import OWNER_FILE, TMP_PREFIX, EtcdServer, sweep_orphaned_data
+from ftrt.store.etcd_server import TMP_PREFIX, EtcdServer
+from ftrt.tmpdirs import owner, sweep
 from tests.agents.harness import wait_until
 
 OWNER = """
@@ -29,22 +30,22 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_member_dies_with_its_sigkilled_owner_and_the_next_start_removes_its_folder(tmp_path):
-    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
     try:
-        pid, data = owner.stdout.readline().split()
+        pid, data = proc.stdout.readline().split()
         pid = int(pid)
         folder = Path(data).parent
-        assert folder.name.startswith(TMP_PREFIX) and (folder / OWNER_FILE).read_text() == str(owner.pid)
+        assert owner(folder.name, TMP_PREFIX) == proc.pid
     finally:
-        owner.kill()  # SIGKILL: no cleanup of its own runs
-        owner.wait()
+        proc.kill()  # SIGKILL: no cleanup of its own runs
+        proc.wait()
     wait_until(lambda: _gone(pid), 30, "the etcd member to die with its owner")
     assert folder.exists()  # nothing could remove it at the kill
     with EtcdServer(name="next", unsafe_no_fsync=True) as other:  # any later start sweeps it
         assert not folder.exists()
         mine = Path(other.data_dir).parent
-        assert mine.exists() and (mine / OWNER_FILE).read_text() == str(os.getpid())
-        assert sweep_orphaned_data() == []  # a folder whose owner runs stays
+        assert mine.exists() and owner(mine.name, TMP_PREFIX) == os.getpid()
+        assert sweep(TMP_PREFIX) == []  # a folder whose owner runs stays
     assert not mine.exists()  # stop removes its own
 
 
