@@ -146,24 +146,23 @@ class Metrics:
 
 
 class Progress:
-    """A one-line progress bar on a terminal (rank 0), silent elsewhere."""
+    """The run's progress bar on a terminal (rank 0; ``tqdm``: a smoothed rate and the time left),
+    silent elsewhere: ``progress=auto`` shows it only when stderr is a terminal."""
 
-    def __init__(self, mode: str, total: int) -> None:
-        self.on = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
-        self.total = total
+    def __init__(self, mode: str, total: int, initial: int = 0) -> None:
+        from tqdm import tqdm
+
+        on = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
+        self.bar = tqdm(total=total, initial=initial, unit="step", desc="GRPO", file=sys.stderr, disable=not on,
+                        dynamic_ncols=True, smoothing=0.1)
 
     def update(self, step: int, reward: float, tps: float, world: int) -> None:
-        if not self.on:
-            return
-        width = 30
-        done = int(width * step / max(self.total, 1))
-        sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{self.total} "
-                         f"reward {reward:.3f} {tps:,.0f} tok/s world {world} ")
-        sys.stderr.flush()
+        """Step ``step`` (of the total) is done."""
+        self.bar.set_postfix({"reward": f"{reward:.3f}", "tok/s": f"{tps:,.0f}", "world": world}, refresh=False)
+        self.bar.update(max(0, step - self.bar.n))
 
     def close(self) -> None:
-        if self.on:
-            sys.stderr.write("\n")
+        self.bar.close()
 
 
 @dataclass
@@ -399,6 +398,7 @@ def _take_round(run: _Run, old: _Round | None) -> _Round:
 
 def _change_round(run: _Run, rnd: _Round, why: WorldChanged) -> _Round:
     """Go on in the next round in place: the step in flight is trained again at the new world size."""
+    rnd.bar.close()  # the next round's bar goes on from the step it resumes
     print(f"[ftrt.grpo] rank {rnd.rank}: {why}", flush=True)
     t0 = time.perf_counter()
     new = _take_round(run, rnd)
@@ -453,7 +453,7 @@ def _enter_round(run: _Run) -> _Round:
             ck.retire()
         raise
     _diag.mark("built")
-    bar = Progress(cfg.progress if rank == 0 else "none", cfg.steps)
+    bar = Progress(cfg.progress if rank == 0 else "none", cfg.steps, initial=min(run.trainer["step"], cfg.steps))
     return _Round(rank=rank, world=world, distributed=distributed, nodes=nodes, ck=ck, cadence=cadence,
                   metrics=metrics, saves=Saves(ck, cadence, run.state), bar=bar, redo=redo)
 
