@@ -158,6 +158,7 @@ def run_demo(out: Path, *, nodes: int = 3, steps: int = 150, kill_at: int | None
                 "the world to grow back",
             )
             if isinstance(grown, dict):
+                events.append((grown["time"], f"{victim} rejoined"))
                 summary["rejoin_s"] = round(grown["time"] - again.started_at, 3)
                 _say(f"world size is {nodes} again at step {grown['step']}, {summary['rejoin_s']:.2f} s "
                      f"after {victim}'s agent started")

@@ -8,6 +8,31 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def event_color(label: str) -> str:
+    """Red for a loss (killed, lost), green for a return (restarted, rejoined, added), grey otherwise."""
+    low = label.lower()
+    if any(w in low for w in ("killed", "lost", "fault")):
+        return "tab:red"
+    if any(w in low for w in ("restarted", "rejoined", "added", "joined")):
+        return "tab:green"
+    return "tab:gray"
+
+
+def label_rows(xs: list[float], span: float, width: float = 0.14) -> list[int]:
+    """A row for each event label at ``xs`` (in order) so that none overlaps another: a label
+    takes the lowest row whose last label lies more than ``width`` of ``span`` to its left."""
+    last: list[float] = []  # per row, the x of its last label
+    rows = []
+    for x in xs:
+        row = next((r for r, at in enumerate(last) if x - at > width * span), len(last))
+        if row == len(last):
+            last.append(x)
+        else:
+            last[row] = x
+        rows.append(row)
+    return rows
+
+
 def timeline_png(path: str | Path, lines: list[dict], events: list[tuple[float, str]] = (),
                  title: str = "ftrt GRPO run") -> Path:
     """Plot ``reward_mean`` and ``world_size`` of metrics lines against wall time since the first.
@@ -33,10 +58,14 @@ def timeline_png(path: str | Path, lines: list[dict], events: list[tuple[float, 
     ax2.set_xlabel("seconds")
     ax2.set_yticks(sorted({x["world_size"] for x in lines}) or [1])
     ax2.grid(alpha=0.3)
-    for when, label in events:
+    span = max([*t, *(w - t0 for w, _ in events), 1.0])
+    for (when, label), row in zip(events, label_rows([w - t0 for w, _ in events], span)):
+        color = event_color(label)
         for ax in (ax1, ax2):
-            ax.axvline(when - t0, color="tab:red", ls="--", lw=1)
-        ax1.annotate(label, (when - t0, 1.0), rotation=90, va="top", ha="right", fontsize=8, color="tab:red")
+            ax.axvline(when - t0, color=color, ls="--", lw=1)
+        ax1.annotate(label, (when - t0, 0.97 - 0.1 * row), xytext=(3, 0), textcoords="offset points", va="top",
+                     ha="left", fontsize=8, color=color, bbox={"boxstyle": "round,pad=0.15", "fc": "white",
+                                                                "ec": "none", "alpha": 0.8})
     ax1.set_title(title)
     ax1.legend(loc="lower right")
     fig.tight_layout()

@@ -78,3 +78,23 @@ def test_the_demo_stops_waiting_with_the_agents_reason_once_its_job_failed(tmp_p
         node.cleanup()
     assert "The demo's job failed: node0's agent exited with code" in str(err.value), str(err.value)
     assert "exited with code 3" in str(err.value) or "restart" in str(err.value), str(err.value)
+
+
+def test_event_labels_close_in_time_go_on_separate_rows_and_are_coloured_by_kind():
+    from ftrt.plots import event_color, label_rows
+
+    # killed at 20 s, restarted 1 s later, rejoined at 26 s, on a 60 s timeline: three rows
+    assert label_rows([20.0, 21.0, 26.0], 60.0) == [0, 1, 2]
+    assert label_rows([10.0, 40.0], 60.0) == [0, 0]  # far apart: one row
+    assert [event_color(x) for x in ("node1 killed", "node1 restarted", "node1 rejoined", "note")] == [
+        "tab:red", "tab:green", "tab:green", "tab:gray"]
+
+
+def test_the_timeline_draws_every_event(tmp_path):
+    from ftrt.plots import timeline_png
+
+    lines = [{"time": 100.0 + i, "reward_mean": i / 60, "world_size": 3 if i < 20 or i > 26 else 2}
+             for i in range(60)]
+    events = [(120.0, "node1 killed"), (121.0, "node1 restarted"), (126.5, "node1 rejoined")]
+    png = timeline_png(tmp_path / "t.png", lines, events)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
