@@ -61,6 +61,12 @@ SPARE_REFILL_DELAY = 0.5
 only use what the running workers leave; a spare needed before it is warm is boosted)."""
 
 
+WAIT_NOTICE_FIRST_S = 5.0
+"""An agent still waiting for a round this long after it began to wait says what it waits for ..."""
+WAIT_NOTICE_EVERY_S = 30.0
+"""... and again this often."""
+
+
 class Agent:
     """One node's agent, with every part built (:func:`~.parts.assemble`). ``await agent.run()`` joins
     the job, drives its rounds and returns the process exit code; :func:`run_agent` does it all."""
@@ -78,6 +84,8 @@ class Agent:
         self._background: set[asyncio.Task] = set()
         self._view_loaded = asyncio.Event()
         """Set once the rendezvous read the job (a node joining decides from it how to start)."""
+        self._waiting: tuple[float, float] | None = None
+        """(since, last said) while it waits for a round that includes it (:meth:`_say_what_it_waits_for`)."""
 
     def status(self) -> AgentStatus:
         """A snapshot for the gRPC service (:class:`~ftrt.agents.peers.service.StatusSource`)."""
@@ -263,7 +271,31 @@ class Agent:
             case _:
                 await self._reconcile()
                 self._update_peers()
+                self._say_what_it_waits_for()
                 return None
+
+    def _say_what_it_waits_for(self, now: float | None = None) -> None:
+        """While this node waits for a round that includes it, say so (after
+        :data:`WAIT_NOTICE_FIRST_S`, then every :data:`WAIT_NOTICE_EVERY_S`): what the job needs
+        to start, and when it gives up; a silent wait looks like a hang."""
+        now = time.monotonic() if now is None else now
+        if not isinstance(self.state, Waiting) or self._included(self.parts.rdzv.view.round):
+            self._waiting = None
+            return
+        since, said = self._waiting or (now, now - WAIT_NOTICE_EVERY_S + WAIT_NOTICE_FIRST_S)
+        self._waiting = (since, said)
+        if now - said < WAIT_NOTICE_EVERY_S:
+            return
+        self._waiting = (since, now)
+        view = self.parts.rdzv.view
+        known = f"; {len(view.nodes)} registered" if view.nodes else ""
+        rnd = view.round
+        what = ("the job's first round" if rnd is None else
+                f"a round with this node (round {rnd.round} has {sum(g.count for g in rnd.header.groups)} node(s), "
+                f"{'running' if rnd.active else 'below the minimum'})")
+        self.log.info("waiting %.0f s for %s: job %r runs with %d to %d nodes (--nnodes)%s; below its minimum it "
+                      "fails after %g s (--join-timeout)", now - since, what, self.cfg.job_id, self.cfg.min_nodes,
+                      self.cfg.max_nodes, known, self.cfg.join_timeout)
 
     def _after_finishing(self, finished: Finished) -> int | None:
         """This node's workers are done: wait for the others (the job's end), at most the exit

@@ -269,3 +269,15 @@ def test_a_sigkilled_standalone_launch_leaves_nothing_the_next_launch_does_not_r
                    "--step-time", "0.01", timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert not [p for p in mine if p.exists()], mine  # the next launch swept the killed one's folders
+
+
+def test_a_node_waiting_for_others_says_what_it_waits_for(tmp_path, etcd_endpoint, job_id):
+    node = Node(tmp_path, "a", ["--etcd", etcd_endpoint, "--job-id", job_id, "--nnodes", "2", "--no-warm", "-m",
+                                "ftrt.examples.ddp_steps"]).start()
+    try:
+        wait_until(lambda: "waiting" in node.log() and "for the job's first round" in node.log(), 60,
+                   "a line saying what the node waits for")
+    finally:
+        node.cleanup()
+    line = next(x for x in node.log().splitlines() if "for the job's first round" in x)
+    assert f"job '{job_id}' runs with 2 to 2 nodes (--nnodes)" in line and "fails after 600 s (--join-timeout)" in line
