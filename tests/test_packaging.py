@@ -49,3 +49,26 @@ def test_console_script_reports_version():
 
     res = subprocess.run([sys.executable, "-m", "ftrt.cli.main", "--version"], capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.strip() == f"ftrt {__version__}"
+
+
+def _lock():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lock_constraints", ROOT / "scripts" / "lock_constraints.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_tests_run_with_exactly_the_pinned_dependencies():
+    """constraints.txt pins every distribution ftrt[test] needs (python scripts/lock_constraints.py),
+    and the environment running these tests has exactly those: what passed here is what CI installs.
+    CI installs with the file, so a pin that cannot install fails there."""
+    lock = _lock()
+    pinned, installed = lock.read(), lock.closure()
+    missing = sorted(set(installed) - set(pinned))
+    assert not missing, f"not pinned in constraints.txt: {missing}; run python scripts/lock_constraints.py"
+    differ = sorted(f"{n}: {pinned[n]} pinned, {installed[n]} installed" for n in installed if pinned[n] != installed[n])
+    assert not differ, (f"this environment is not the pinned one ({differ}): pip install -c constraints.txt -e "
+                        "'.[test]', or, after changing it on purpose, python scripts/lock_constraints.py")
+    assert {"torch", "grpcio-tools", "transformers", "trl"} <= set(pinned)
