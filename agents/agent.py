@@ -551,9 +551,20 @@ class Agent:
         def deferrals() -> list[Deferral]:  # workers that end the round at a later step
             return [w.ends_after for w in polling if w.ends_after is not None and w.ends_after.round == old.round]
 
-        def deadline() -> float:
+        latest = t0
+
+        def deadline() -> float:  # only ever later: a slow step must not cut the wait it was given
+            nonlocal latest
             intervals = [w.step_interval for w in polling if w.step_interval is not None]
-            return min(boundary_deadline(t0, max(intervals) if intervals else None, deferrals()), drain_deadline)
+            latest = max(latest, boundary_deadline(t0, max(intervals) if intervals else None, deferrals()))
+            return min(latest, drain_deadline)
+
+        def overtaken() -> str | None:  # why waiting on is no use
+            cur = p.rdzv.view.round
+            if cur is not None and cur.round > new.round:
+                return f"round {cur.round} replaced round {new.round} meanwhile"
+            failed = [w for w in polling if w.exit_code not in (None, 0)]
+            return f"rank {failed[0].rank} exited with code {failed[0].exit_code}" if failed else None
 
         p.round_end.request(old.round, durable=not new.active)
         self.log.info("round %d ends at a step boundary: its workers were asked to save their step and stop "
@@ -565,8 +576,12 @@ class Agent:
             if later is not None and not told:
                 told = True
                 more = "" if exited else f": waiting up to {max(0.0, deadline() - time.monotonic()):.1f} s more"
-                self.log.info("round %d ends after step %d, its workers' next natural boundary (a generation "
-                              "window's end)%s", old.round, later, more)
+                self.log.info("round %d ends after step %d, where its workers said they would end it (their "
+                              "trainer's next boundary a new round can resume from)%s", old.round, later, more)
+            if not exited and (why := overtaken()) is not None:
+                self.log.warning("round %d: stopped waiting for its workers to end it at a step boundary: %s",
+                                 old.round, why)
+                break
         if exited:
             self.log.info("round %d ended at a step boundary (step %s) in %.0f ms: its workers saved and stopped",
                           old.round, max(w.step for w in polling), (time.monotonic() - t0) * 1000)

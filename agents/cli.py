@@ -67,14 +67,21 @@ def check_module(module: str) -> None:
     """Refuse ``-m module`` when no worker could import its top-level package or module: a worker
     starts in this folder, which ``python -m`` puts first on its path. Found without importing
     anything (a package's own imports may be heavy); a missing submodule shows in the workers."""
-    import importlib.machinery
+    import importlib.util
     import os
     import sys
 
     top = module.split(".")[0]
     if top in sys.builtin_module_names or top in sys.modules:
         return
-    if importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None:
+    sys.path.insert(0, os.getcwd())  # every finder, editable installs' too; a top-level name imports nothing
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        sys.path.remove(os.getcwd())
+    if not found:
         raise ConfigError(f"-m {module}: no module {top!r} here ({os.getcwd()}) or on this Python's path, where "
                           "the workers would look; check the name, or install it.")
 

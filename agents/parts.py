@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc.aio
 
-from ftrt import reports
+from ftrt import reports, tmpdirs
 from ftrt.agents.config import LaunchConfig
 from ftrt.agents.rendezvous.decide import RendezvousConfig
 from ftrt.agents.ops.events import EventLog, open_event_file
@@ -129,8 +128,8 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
     # Spares first: their torch import is the slow part of joining, so it overlaps with everything
     # else the agent does before it can join. The CLI may have started them already.
     early = early or EarlyStart.for_config(cfg)
-    stack.callback(shutil.rmtree, early.mem_dir, ignore_errors=True)
-    stack.callback(shutil.rmtree, early.run_dir, ignore_errors=True)
+    stack.callback(tmpdirs.remove, early.mem_dir)
+    stack.callback(tmpdirs.remove, early.run_dir)
     stack.callback(early.round_end.close)
     stack.callback(early.fence.close)
     host = cfg.host or ("127.0.0.1" if cfg.standalone else detect_host(cfg.etcd or ""))
@@ -139,7 +138,8 @@ async def assemble(cfg: LaunchConfig, *, early: EarlyStart | None = None, store:
         tls = await asyncio.to_thread(tls_dir, Path(early.run_dir) / "etcd-tls", ("ftrt",))
         etcd = EtcdServer(name=f"ftrt-{cfg.job_id}", unsafe_no_fsync=True, tls=tls)
         stack.push_async_callback(asyncio.to_thread, etcd.stop)
-        await asyncio.to_thread(etcd.start)
+        etcd.start(wait=False)  # from the loop's thread, which lives as long as the agent: etcd dies with it
+        await asyncio.to_thread(etcd.wait_ready)
         endpoints, access = etcd.endpoint, etcd.access()
         alog.info("standalone: embedded etcd on %s (TLS, client certificates)", endpoints)
     elif not access.identifies and not cfg.insecure_etcd:

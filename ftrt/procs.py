@@ -30,12 +30,21 @@ _EXEC_DYING_WITH_PARENT = (
 )
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def dying_with_this_process(cmd: list[str]) -> list[str]:
     """``cmd`` wrapped so that it is SIGKILLed when this process dies, even by SIGKILL (a
-    ``PR_SET_PDEATHSIG`` set by a few lines of Python that then exec ``cmd``; no ``preexec_fn``,
-    which is unsafe in a process with threads). ``cmd[0]`` must be a path. Start it from the main
+    ``PR_SET_PDEATHSIG`` set by a few lines of isolated Python, ``-I -S``, that then exec ``cmd``;
+    no ``preexec_fn``, which is unsafe in a process with threads). ``cmd[0]`` must be a path. Start it from the main
     thread or one that lives as long as the child should (:func:`die_with`)."""
-    return [sys.executable, "-S", "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *cmd]
+    return [sys.executable, "-I", "-S", "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 def descendants(pid: int) -> list[int]:

@@ -9,17 +9,15 @@ imports nothing heavy itself.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 from dataclasses import dataclass, field
 
-from ftrt import _diag, envnames, roundendfile
+from ftrt import _diag, envnames, roundendfile, tmpdirs
 from ftrt.agents.workers.fence import FenceWriter
 from ftrt.agents.peers.replicator import make_mem_dir
 from ftrt.agents.workers.procs import Spawned, spawn_bootstrap
 from ftrt.agents.workers.template import spawn_template
-from ftrt.tmpdirs import owned_dir
 
 
 @dataclass
@@ -38,7 +36,7 @@ class EarlyStart:
 
     @classmethod
     def begin(cls, *, nproc: int, warm: bool, warm_imports: tuple[str, ...], spawn: bool = True) -> "EarlyStart":
-        run_dir = owned_dir("ftrt-agent-")  # removed by the next agent here if this one is killed
+        run_dir = tmpdirs.owned_dir("ftrt-agent-")  # removed by the next agent here if this one is killed
         fence = FenceWriter(os.path.join(run_dir, "fence"))
         round_end = roundendfile.RoundEndWriter(os.path.join(run_dir, "round_end"))
         mem_dir = make_mem_dir()
@@ -88,5 +86,5 @@ class EarlyStart:
                 os.close(s.control_fd)
             os.close(s.report_fd)
         self.fence.close()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        shutil.rmtree(self.mem_dir, ignore_errors=True)
+        tmpdirs.remove(self.run_dir)
+        tmpdirs.remove(self.mem_dir)

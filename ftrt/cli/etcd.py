@@ -17,6 +17,7 @@ node's).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import secrets
 import signal
@@ -53,9 +54,11 @@ def _check_free(host: str, port: int, flag: str) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise ConfigError(f"{flag} {port}: etcd cannot listen on {host}:{port} ({exc.strerror}); something "
-                              f"there already does (another etcd?). Stop it, or pick another port ({flag} 0 picks a "
-                              "free one).") from None
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"{flag} {port}: etcd cannot listen on {host}:{port}: something there already does "
+                                  f"(another etcd?). Stop it, or pick another port ({flag} 0 picks a free one).") from None
+            raise ConfigError(f"{flag} {port}: etcd cannot listen on {host}:{port} ({exc.strerror or exc}); check "
+                              "--host (an address of this machine).") from None
 
 
 def etcd_main(argv: list[str]) -> int:

@@ -272,18 +272,23 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
 
 def _check_run_config(cfg: GRPOConfig) -> None:
     """Refuse to resume checkpoints written under other training fields (:mod:`ftrt.grpo.runconfig`),
-    unless ``resume=force``; rank 0 records this run's fields where none are, or when forced on."""
+    unless ``resume=force`` (every rank, before it builds anything; rank 0 records the fields once
+    its round is known, in :func:`_restore`)."""
     from ftrt.checkpoint.storage import list_steps, parse_url
 
-    has_checkpoint = bool(list_steps(parse_url(cfg.checkpoint.url, cfg.checkpoint.storage_options)))
-    differ = runconfig.check(cfg, has_checkpoint)
-    if ftrt.init().rank != 0:
+    runconfig.check(cfg, bool(list_steps(parse_url(cfg.checkpoint.url, cfg.checkpoint.storage_options))))
+
+
+def _record_run_config(cfg: GRPOConfig) -> None:
+    """Rank 0: write this run's training fields beside its checkpoints when none are there or
+    other ones are (``resume=force`` let them pass, which is said here)."""
+    saved, now = runconfig.saved_fields(cfg), runconfig.training_fields(cfg)
+    if saved == now:
         return
-    if differ:
+    if saved is not None:
         print(f"[ftrt.grpo] resume=force: going on from checkpoints written with another configuration: "
-              f"{'; '.join(differ)}", flush=True)
-    if differ or not has_checkpoint or runconfig.saved_fields(cfg) is None:
-        runconfig.record(cfg)
+              f"{'; '.join(runconfig.differences(saved, now))}", flush=True)
+    runconfig.record(cfg)
 
 
 def _loop(run: _Run, rnd: _Round, rewards: list[float]) -> tuple[bool, _Round]:
@@ -522,6 +527,8 @@ def _restore(run: _Run, ck: Checkpointer | None, cadence: Cadences, metrics: Met
         cadence.resumed(tr["step"], ck.last_restore_tier)
     if rank != 0:
         return
+    if ck is not None:
+        _record_run_config(cfg)
     dropped = metrics.rewind(tr["step"])
     if restored is not None:
         tr["redone"] += dropped

@@ -107,8 +107,10 @@ def _stop_at_max_steps() -> None:
     if run_epoch is None:
         import transformers
 
-        raise ConfigError(f"ftrt cannot guard the Trainer against training past max_steps in transformers "
-                          f"{transformers.__version__} (no Trainer._run_epoch): install transformers 5.24 or newer.")
+        log.warning("transformers %s has no Trainer._run_epoch: ftrt cannot stop a run resumed from its final "
+                    "checkpoint from training one step past max_steps (install transformers 5.24 or newer).",
+                    transformers.__version__)
+        return
     if getattr(run_epoch, _FINISHED_GUARD, False):
         return
 
@@ -132,12 +134,12 @@ class FtrtCallback(TrainerCallback):
     """Heartbeats every step and a committed manifest for every checkpoint (module docstring).
 
     Constructing it also guards every ``Trainer`` of the process against training past
-    ``max_steps`` when it resumes from its final checkpoint (:func:`_stop_at_max_steps`), and
-    has the process group destroyed at exit (:func:`~ftrt.integrations.commits.destroy_group_at_exit`)."""
+    ``max_steps`` when it resumes from its final checkpoint (:func:`_stop_at_max_steps`). Once
+    training ended, the process group is destroyed at exit
+    (:func:`~ftrt.integrations.commits.destroy_group_at_exit`)."""
 
     def __init__(self, runtime: ftrt.Runtime | None = None) -> None:
         _stop_at_max_steps()
-        destroy_group_at_exit()
         self.rt = runtime or ftrt.init()
         self._end_after: int | None = None  # the step the round ends after (a node joins or drains)
         self._ending = False  # the round ends after this step's save
@@ -179,6 +181,7 @@ class FtrtCallback(TrainerCallback):
         self._round_ends.close()
         if state.global_step >= state.max_steps:
             self.rt.done()
+        destroy_group_at_exit()  # after training ended well: nothing of it is in flight any more
         return control
 
 

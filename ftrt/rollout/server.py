@@ -329,11 +329,11 @@ def build_engine(ns: argparse.Namespace, spec: PolicySpec):
     check_model_path(spec, ns.model_dir)
     if ns.engine == "builtin":
         return BuiltinEngine(spec)
-    import tempfile
-
+    from ftrt import tmpdirs
     from ftrt.rollout.vllm_engine import VllmEngine
 
-    workdir = Path(ns.vllm_dir) if ns.vllm_dir else Path(tempfile.mkdtemp(prefix="ftrt-vllm-"))
+    # a killed server's folder (pushed weights) is removed by the next server started here
+    workdir = Path(ns.vllm_dir) if ns.vllm_dir else Path(tmpdirs.owned_dir("ftrt-vllm-"))
     return VllmEngine(spec, url=ns.vllm_url, python=ns.vllm_python, workdir=workdir, timeout=ns.vllm_timeout,
                       ready_timeout=ns.vllm_ready_timeout)
 

@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ftrt import envnames
+from ftrt import envnames, tmpdirs
 from ftrt.errors import ConfigError, FtrtError
 from ftrt.privatefiles import write_private
 from ftrt.procs import dying_with_this_process
-from ftrt.tmpdirs import owned_dir
 from ftrt.store.access import EtcdAccess
 from ftrt.store.certs import TlsFiles
 
@@ -182,12 +181,12 @@ class EtcdServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
         if self.data_dir is None:
-            self._tmp = owned_dir(TMP_PREFIX)
+            self._tmp = tmpdirs.owned_dir(TMP_PREFIX)
             self.data_dir = os.path.join(self._tmp, "data")
         if self._log_file is not None:  # a restart after kill()
             self._log_file.close()
         if self.log_path:
-            self._log_file = open(self.log_path, "ab")
+            self._log_file = open(self.log_path, "a+b")  # read back by stderr_tail
         else:  # kept for the error of a member that exits (last lines: log level error, so few)
             self._log_file = tempfile.TemporaryFile(prefix="ftrt-etcd-stderr-")
         self.proc = subprocess.Popen(
@@ -333,7 +332,7 @@ class EtcdServer:
             self._log_file.close()
             self._log_file = None
         if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            tmpdirs.remove(self._tmp)
             self._tmp = None
             self.data_dir = None
 

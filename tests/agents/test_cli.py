@@ -235,11 +235,10 @@ def test_a_warm_worker_starts_with_the_checkpointer_imported_and_its_start_can_b
 
 
 def test_a_sigkilled_standalone_launch_leaves_nothing_the_next_launch_does_not_remove(tmp_path):
-    import signal
     import tempfile
     from pathlib import Path
 
-    from ftrt.procs import descendants
+    from ftrt.procs import alive, descendants
     from ftrt.tmpdirs import owner
 
     script = tmp_path / "forever.py"
@@ -257,12 +256,6 @@ def test_a_sigkilled_standalone_launch_leaves_nothing_the_next_launch_does_not_r
         agent.kill()  # SIGKILL: the agent cleans nothing up
         agent.wait()
         log.close()
-
-    def alive(pid: int) -> bool:
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
 
     wait_until(lambda: not any(alive(p) for p in tree), 30, "the agent's etcd and workers to die with it")
     res = run_ftrt("launch", "--standalone", "--no-warm", "-m", "ftrt.examples.ddp_steps", "--steps", "2",

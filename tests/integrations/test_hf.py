@@ -235,16 +235,20 @@ def test_the_elastic_trainer_resumes_at_the_same_world_size_bit_identically(tmp_
 
 def test_the_callback_destroys_the_process_group_at_exit_which_the_trainer_leaves_up(tmp_path):
     # A gloo group alive at interpreter finalization can abort the process (pytorch #190489): under
-    # ftrt launch, a failed worker after the job's end. atexit runs handlers last in, first out, so
-    # the probe registered before the callback sees the group as the callback's handler left it.
+    # ftrt launch, a failed worker after the job's end. The callback has it destroyed at exit once
+    # training ended. atexit runs handlers last in, first out, so the probe registered before sees
+    # the group as the callback's handler left it.
     script = f"""
 import atexit
 import torch.distributed as dist
 dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
 atexit.register(lambda: print("group up at exit:", dist.is_initialized()))
+from types import SimpleNamespace
 from ftrt.integrations.hf import FtrtCallback
-FtrtCallback()
-FtrtCallback()  # registered once
+cb = FtrtCallback()
+state = SimpleNamespace(global_step=3, max_steps=3)
+cb.on_train_end(None, state, None)
+cb.on_train_end(None, state, None)  # registered once
 """
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+from ftrt.procs import alive
 from ftrt.store.etcd_server import TMP_PREFIX, EtcdServer
-from ftrt.tmpdirs import owner, sweep
+from ftrt.tmpdirs import abandoned, owner, sweep
 from tests.agents.harness import wait_until
 
 OWNER = """
@@ -21,16 +23,11 @@ time.sleep(600)
 """
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie is dead
-
-
-def test_a_member_dies_with_its_sigkilled_owner_and_the_next_start_removes_its_folder(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+def test_a_member_dies_with_its_sigkilled_owner_and_the_next_start_removes_its_folder(tmp_path, monkeypatch):
+    # a temporary directory of the test's own: no other process sweeps or fills it meanwhile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         pid, data = proc.stdout.readline().split()
         pid = int(pid)
@@ -39,13 +36,15 @@ def test_a_member_dies_with_its_sigkilled_owner_and_the_next_start_removes_its_f
     finally:
         proc.kill()  # SIGKILL: no cleanup of its own runs
         proc.wait()
-    wait_until(lambda: _gone(pid), 30, "the etcd member to die with its owner")
+    wait_until(lambda: not alive(pid), 30, "the etcd member to die with its owner")
     assert folder.exists()  # nothing could remove it at the kill
+    wait_until(lambda: abandoned(folder), 10, "the folder's lock to be free and a second old")
     with EtcdServer(name="next", unsafe_no_fsync=True) as other:  # any later start sweeps it
         assert not folder.exists()
         mine = Path(other.data_dir).parent
         assert mine.exists() and owner(mine.name, TMP_PREFIX) == os.getpid()
         assert sweep(TMP_PREFIX) == []  # a folder whose owner runs stays
+        assert Path(data).parent.parent == tmp_path
     assert not mine.exists()  # stop removes its own
 
 
