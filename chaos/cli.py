@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ftrt.cli.text import help_summary
+from ftrt.helptext import help_summary
 from ftrt.errors import ConfigError, FtrtError
 
 STORM_JOB = {"prompts_per_step": 8, "group_size": 4, "model.d_model": 32, "model.n_layers": 1,

@@ -14,7 +14,7 @@ import argparse
 import json
 import time
 
-from ftrt.cli.text import help_summary
+from ftrt.helptext import help_summary
 from ftrt.checkpoint import manifest as mf
 from ftrt.checkpoint.signing import load_key
 from ftrt.checkpoint.storage import is_storage_error, list_steps, parse_url, step_dir, storage_problem

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from ftrt.cli.text import help_summary
+from ftrt.helptext import help_summary
 from ftrt.chaos.local import LocalNode, read_jsonl, wait_until
 from ftrt.errors import ConfigError, FtrtError
 from ftrt.store.etcd_server import EtcdServer

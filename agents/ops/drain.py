@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import time
 
-from ftrt.cli.text import help_summary
+from ftrt.helptext import help_summary
 from ftrt.errors import FtrtError, StoreUnavailable
 from ftrt.jobkeys import JobKeys, check_id
 from ftrt.records import DrainRequest, NodeRecord, decode, encode

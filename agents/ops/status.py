@@ -14,7 +14,7 @@ import dataclasses
 import json
 import time
 
-from ftrt.cli.text import help_summary
+from ftrt.helptext import help_summary
 from ftrt.agents.ops.events import recent_events
 from ftrt.auth import JobToken, read_token
 from ftrt.errors import FtrtError, StoreUnavailable
@@ -29,8 +29,9 @@ from ftrt.store.api import Get
 from ftrt.store.etcd import EtcdStore, unreachable
 
 
-UNKNOWN_JOB = "unknown job (no agents, no round)"
-"""The state of a job etcd knows nothing of."""
+UNKNOWN_JOB = "unknown job (nothing of it in etcd)"
+"""The state of a job etcd knows nothing of: no agent, no round, no rollout server, no event, no
+checkpoint pointer, no token."""
 
 
 async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout: float = 3.0,
@@ -71,7 +72,9 @@ async def collect_status(endpoints: str, job_id: str, events: int = 10, timeout:
     if job is not None:
         state = job.state
     elif rnd is None:
-        state = "waiting for nodes" if nodes else UNKNOWN_JOB
+        # no agent, no round: a job only if something else of it is in etcd (a trainer run without
+        # ftrt launch that serves a rollout fleet, its events, its checkpoints' pointer, its token)
+        state = "waiting for nodes" if nodes or rollout or log or latest or token is not None else UNKNOWN_JOB
     else:
         state = "running" if rnd.active else "waiting for nodes (below minimum)"
     return {

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from ftrt.cli.text import help_summary
+from ftrt.helptext import help_summary
 from ftrt.errors import ConfigError
 from ftrt.store import localetcd
 from ftrt.store.access import ENV_PASSWORD

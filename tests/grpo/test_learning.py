@@ -25,12 +25,13 @@ def test_grpo_learns_a_small_task_and_writes_its_metrics(tmp_path):
     last = sum(x["reward_mean"] for x in lines[-10:]) / 10
     assert last > first + 0.3, (first, last)
     assert "done: 60 steps" in res.stdout
-    # Run again: it resumes from the final checkpoint and has nothing left to do.
+    # Run again (the same training fields): it resumes from the final checkpoint and says it is finished.
     again = subprocess.run([sys.executable, "-m", "ftrt.grpo", "steps=60", "prompts_per_step=16", "group_size=8",
                             "task.params={length: 3, alphabet: 4}", "model.d_model=32", "model.n_layers=1",
-                            "model.n_heads=2", f"metrics_path={metrics}", f"checkpoint.url={tmp_path / 'ck'}",
+                            "model.n_heads=2", "lr=3e-3", f"metrics_path={metrics}", f"checkpoint.url={tmp_path / 'ck'}",
                             "progress=none"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "resumed at step 60 of 60" in again.stdout, again.stdout + again.stderr
+    assert "the run is already finished" in again.stdout, again.stdout
     assert len(metrics.read_text().splitlines()) == 60
 
 

@@ -1,4 +1,5 @@
-"""Text for the command lines: a module docstring's first line as ``--help`` shows it."""
+"""Text for the command lines (every command's ``--help``): a module docstring's first line as
+argparse shows it. Imports nothing of ftrt, so any package's command may use it."""
 
 from __future__ import annotations
 
