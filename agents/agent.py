@@ -45,6 +45,7 @@ from ftrt.agents.states import (
 )
 from ftrt.agents.workers.boundary import Deferral, boundary_deadline, planned_change
 from ftrt.agents.workers.env import pending_env, recorded_error, worker_env
+from ftrt.agents.workers import unfixable
 from ftrt.agents.workers.hangs import find_hung
 from ftrt.agents.workers.keep import is_join, job_runs_in_place, take_round_timeout
 from ftrt.agents.workers.warmup import change_interval, idle_warm_grace
@@ -356,8 +357,11 @@ class Agent:
         if failed:
             w = failed[0]
             detail = f"rank {w.rank} (pid {w.pid}) exited with code {w.exit_code}"
-            cause = recorded_error(Path(p.mem_dir) / "errors" / f"round-{w.round}" / f"rank-{w.rank}.json")
-            if cause:
+            error_file = str(Path(p.mem_dir) / "errors" / f"round-{w.round}" / f"rank-{w.rank}.json")
+            if (why := unfixable.read_note(error_file)) is not None:
+                await self._fail_round("failure", f"{detail}: {why}", unfixable=True)
+                return
+            if cause := recorded_error(error_file):
                 detail += f": {cause}"
             await self._fail_round("failure", detail)
             return
@@ -401,22 +405,28 @@ class Agent:
         rank, silent = hung[0]
         return f"rank {rank} sent no heartbeat for {silent:.1f} s (timeout {self.cfg.hang_timeout:g} s)"
 
-    async def _fail_round(self, kind: str, detail: str) -> None:
+    async def _fail_round(self, kind: str, detail: str, *, unfixable: bool = False) -> None:
         """The one route of a local failure (an exit or a hang): stop the workers and ask for a
         restart of their round, unless another node's request replaced it already. After an exit,
         live workers that change rounds in place (:mod:`~ftrt.agents.workers.keep`) stay and wait
-        for the new round; only the failed one is replaced."""
+        for the new round; only the failed one is replaced. ``unfixable``: the worker's script
+        failed in a way no restart mends (:mod:`~ftrt.agents.workers.unfixable`); the request asks
+        the decider to fail the job instead, and every worker stops."""
         rnd = self._workers_round()
         if rnd is None:
             return
         p = self.parts
         failed = rnd.round  # captured: a new round may start while the workers stop
         self._become(Draining(self.state.drain, None, failed) if isinstance(self.state, Draining) else Waiting(failed))
-        self.log.warning("worker %s in round %d: %s; asking for a restart", kind, failed, detail)
+        if unfixable:
+            self.log.error("worker %s in round %d: %s; no restart can mend this, so the job fails", kind, failed, detail)
+        else:
+            self.log.warning("worker %s in round %d: %s; asking for a restart", kind, failed, detail)
         p.metrics.fault(f"worker_{kind}")
         p.events.emit(f"worker_{kind}", detail, round=failed, evidence=detail)
         # After an exit, the live workers wait in place for the restarted round; only the failed one goes.
-        if kind != "failure" or not await p.pool.keep(recovery=self.cfg.recovery, holds_store=False):
+        keep = kind == "failure" and not unfixable
+        if not keep or not await p.pool.keep(recovery=self.cfg.recovery, holds_store=False):
             await p.pool.stop_running(self.cfg.restart_grace)
         current = p.rdzv.view.round
         if self.state.seen_round != failed or current is None or current.round != failed:
@@ -425,7 +435,7 @@ class Agent:
             self.log.info("round %d was already replaced; no restart request needed", failed)
             return
         try:
-            await p.rdzv.request_restart(failed, kind, detail)
+            await p.rdzv.request_restart(failed, "unfixable" if unfixable else kind, detail)
         except StoreError as exc:
             self.log.warning("could not request a restart: %s", exc)
 

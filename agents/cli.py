@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ftrt launch",
         description="Run SCRIPT (or -m MODULE) on this node under an ftrt agent, torchrun-compatibly.",
+        allow_abbrev=False,  # the script's own flags follow it: `train.py --n 3` is the script's, not ambiguous
     )
     for flag in FLAGS:
         flag.add_to(p)

@@ -212,7 +212,8 @@ class RestartRequest:
 
     node_id: str
     round: int
-    kind: Literal["failure", "hang", "store"] = "failure"
+    kind: Literal["failure", "hang", "store", "unfixable"] = "failure"
+    """``unfixable``: the workers failed in a way no restart mends (the decider fails the job)."""
     detail: str = ""
 
 

@@ -16,7 +16,8 @@ Rules, in order:
    current round: after ``settle_s`` of quiet (so near-simultaneous faults make one round), write
    the next round with the survivors in their old order, plus ready newcomers up to ``max_nodes``.
    A failure without a lost member counts against ``max_restarts``; a lost member explains the
-   failures it causes and costs nothing.
+   failures it causes and costs nothing. A failure no restart can mend (a request of kind
+   ``unfixable``: an import, syntax or usage error) fails the job at once.
 5. A member draining (its record says ``leaving``; SIGTERM, a preemption notice or ``ftrt
    drain``): after ``settle_s``, write the next round without it, plus ready newcomers. This is a
    planned change, not a fault: no fault or restart is counted, so the old round's workers end
@@ -161,6 +162,10 @@ def decide_round(now: float, view: View, cfg: RendezvousConfig) -> Decision:
 
     lost = [m for m in cur.members if not _alive(view, m)]
     failures = [r for r in view.requests.values() if r.round == cur.round]
+    if cur.active and (unfixable := [r for r in failures if r.kind == "unfixable"]):
+        r = unfixable[0]
+        return Decision(Action.FAIL, f"workers failed on {r.node_id} in a way no restart can mend ({r.detail}); "
+                                     "fix that and launch the job again")
     if cur.active and (lost or failures):
         if now < view.changed_at + cfg.settle_s:
             return Decision(

@@ -117,6 +117,20 @@ def main() -> None:
 
         start_watchdog(fence_path)
 
+    try:
+        _run(job)
+    except BaseException as exc:
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:
+            from ftrt.agents.workers import unfixable
+
+            if (why := unfixable.explain(exc)) is not None:
+                unfixable.write_note(error_file, why)  # the agent fails the job instead of restarting it
+        raise
+
+
+def _run(job: dict) -> None:
+    """Become the assigned script or module, as ``python SCRIPT`` or ``python -m MODULE`` would."""
     import runpy
 
     if job.get("script"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ftrt.errors import FtrtError
+from ftrt.errors import ConfigError, FtrtError
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m ftrt.grpo") -> int:
@@ -29,9 +29,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m ftrt.grpo") -> in
         from ftrt.grpo.trainer import train
 
         train(cfg)
+    except ConfigError as exc:
+        print(f"ftrt.grpo: error: {exc}", file=sys.stderr)
+        return 2  # a usage error: under ftrt launch, the job fails at once instead of restarting
     except FtrtError as exc:
         print(f"ftrt.grpo: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     return 0
 
 

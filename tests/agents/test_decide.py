@@ -126,6 +126,17 @@ def test_restart_budget_spent_fails_the_job():
     assert d.action is Action.FAIL and "restart budget of 2" in d.reason
 
 
+def test_a_failure_no_restart_can_mend_fails_the_job_at_once_with_the_workers_reason():
+    v = view_of(A, B, C, round_=R1, requests={
+        "a": RestartRequest("a", 1, "failure", "exit 1"),
+        "b": RestartRequest("b", 1, "unfixable", "rank 3 exited with code 1: SyntaxError: invalid syntax")})
+    d = decide_round(1.0, v, CFG)  # a whole budget left, and no settling wait
+    assert d.action is Action.FAIL
+    assert "on b in a way no restart can mend (rank 3 exited with code 1: SyntaxError: invalid syntax)" in d.reason
+    stale = view_of(A, B, C, round_=replace(R1, round=2), requests={"b": RestartRequest("b", 1, "unfixable", "x")})
+    assert decide_round(1.0, stale, CFG).action is Action.NONE
+
+
 def test_stale_request_from_an_older_round_is_ignored():
     r2 = replace(R1, round=2)
     v = view_of(A, B, C, round_=r2, requests={"b": RestartRequest("b", 1)})
