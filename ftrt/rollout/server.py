@@ -332,10 +332,18 @@ def build_engine(ns: argparse.Namespace, spec: PolicySpec):
     from ftrt import tmpdirs
     from ftrt.rollout.vllm_engine import VllmEngine
 
-    # a killed server's folder (pushed weights) is removed by the next server started here
-    workdir = Path(ns.vllm_dir) if ns.vllm_dir else Path(tmpdirs.owned_dir("ftrt-vllm-"))
-    return VllmEngine(spec, url=ns.vllm_url, python=ns.vllm_python, workdir=workdir, timeout=ns.vllm_timeout,
-                      ready_timeout=ns.vllm_ready_timeout)
+    if ns.vllm_dir:
+        return VllmEngine(spec, url=ns.vllm_url, python=ns.vllm_python, workdir=Path(ns.vllm_dir),
+                          timeout=ns.vllm_timeout, ready_timeout=ns.vllm_ready_timeout)
+    # Pushed weights go to a temporary folder: the engine removes it at close, and the next server
+    # started here removes it if this one is killed.
+    workdir = tmpdirs.owned_dir("ftrt-vllm-")
+    try:
+        return VllmEngine(spec, url=ns.vllm_url, python=ns.vllm_python, workdir=Path(workdir),
+                          timeout=ns.vllm_timeout, ready_timeout=ns.vllm_ready_timeout, remove_workdir=True)
+    except BaseException:
+        tmpdirs.remove(workdir)
+        raise
 
 
 def build_parser() -> argparse.ArgumentParser:

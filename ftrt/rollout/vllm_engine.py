@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from ftrt import tmpdirs
 from ftrt.errors import ConfigError
 from ftrt.policy.sample import make_prompts, sample_seed
 from ftrt.policy.setting import build_setting
@@ -67,7 +68,9 @@ class VllmEngine:
     max_versions = 1
 
     def __init__(self, spec: PolicySpec, *, url: str | None, python: str | None, workdir: Path,
-                 timeout: float = 60.0, ready_timeout: float = 600.0) -> None:
+                 timeout: float = 60.0, ready_timeout: float = 600.0, remove_workdir: bool = False) -> None:
+        """``remove_workdir``: ``workdir`` is a temporary folder of :func:`ftrt.tmpdirs.owned_dir`,
+        removed by :meth:`close`."""
         if not spec.model.hf_path:
             raise ConfigError("--engine vllm serves Hugging Face models only: the job's config must set "
                               "model.hf_path (the built-in TinyLM needs --engine builtin).")
@@ -83,6 +86,7 @@ class VllmEngine:
         del built
         self.source = Path(spec.model.hf_path)
         self.workdir = workdir
+        self._remove_workdir = remove_workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen | None = None
         self._broken = ""
@@ -166,7 +170,13 @@ class VllmEngine:
         return not self._broken and (self.proc is None or self.proc.poll() is None)
 
     def close(self) -> None:
-        """Stop the vLLM server this engine started, and every process it started."""
+        """Stop the vLLM server this engine started, and every process it started; remove a
+        temporary work folder."""
+        self._stop_server()
+        if self._remove_workdir:
+            tmpdirs.remove(str(self.workdir))
+
+    def _stop_server(self) -> None:
         if self.proc is None:
             return
         family = descendants(self.proc.pid)

@@ -189,3 +189,33 @@ def test_engine_flags_that_cannot_work_are_refused_before_waiting_for_the_traine
                           "--job-id", "nobody", *argv], capture_output=True, text=True, timeout=60)
     assert res.returncode != 0 and needle in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_vllm_engine_that_cannot_start_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    import socket
+    import tempfile
+
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from ftrt.rollout.server import build_engine, build_parser
+    from ftrt.rollout.vllm_engine import EngineFailed
+    from tests.grpo.test_hf_policy import save_task_tokenizer
+    import transformers
+
+    model = tmp_path / "models" / "gpt2"
+    words = save_task_tokenizer(model)
+    cfg = transformers.GPT2Config(vocab_size=len(words), n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                                  bos_token_id=2, eos_token_id=3, pad_token_id=1)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(model)
+    spec = PolicySpec.of(load_config(None, [f"model.hf_path={model}", "task.params={length: 3, alphabet: 6}"]))
+    with socket.socket() as s:  # a port nobody serves
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    ns = build_parser().parse_args(["--etcd", "127.0.0.1:1", "--job-id", "j", "--engine", "vllm", "--vllm-url",
+                                    f"http://127.0.0.1:{port}", "--vllm-ready-timeout", "0.5",
+                                    "--model-dir", str(tmp_path / "models")])
+    with pytest.raises(EngineFailed, match="was not ready after 0.5 s"):
+        build_engine(ns, spec)
+    assert list(tmp.iterdir()) == []  # the folder for pushed weights went with the engine
