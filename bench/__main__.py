@@ -12,6 +12,8 @@ import importlib
 import sys
 import time
 
+from ftrt import progress
+
 NAMES = {
     "rdzv_scale": "bench.rdzv_scale", "overhead": "bench.overhead", "goodput": "bench.goodput",
     "recovery": "bench.recovery", "ckpt_stall": "bench.ckpt_stall", "restore": "bench.restore",
@@ -41,15 +43,18 @@ def main(argv: list[str]) -> int:
     if argv[0] != "all":
         return importlib.import_module(NAMES[argv[0]]).main(argv[1:])
     failed, t0 = [], time.time()
-    for name, args in QUICK.items():
-        print(f"\n=== python -m bench {name} {' '.join(args)}  ({(time.time() - t0) / 60:.1f} min so far)", flush=True)
-        try:
-            code = importlib.import_module(NAMES[name]).main(args)
-        except Exception as exc:  # noqa: BLE001 - one benchmark failing must not hide the others' numbers
-            print(f"bench {name} failed: {type(exc).__name__}: {exc}", flush=True)
-            code = 1
-        if code:
-            failed.append(name)
+    with progress.bar(len(QUICK), "benchmarks", "bench") as shown:
+        for name, args in QUICK.items():
+            print(f"\n=== python -m bench {name} {' '.join(args)}  ({(time.time() - t0) / 60:.1f} min so far)",
+                  flush=True)
+            try:
+                code = importlib.import_module(NAMES[name]).main(args)
+            except Exception as exc:  # noqa: BLE001 - one benchmark failing must not hide the others' numbers
+                print(f"bench {name} failed: {type(exc).__name__}: {exc}", flush=True)
+                code = 1
+            if code:
+                failed.append(name)
+            shown.update()
     print(f"\nall: {len(QUICK) - len(failed)} of {len(QUICK)} benchmarks ran in {(time.time() - t0) / 60:.1f} min"
           + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

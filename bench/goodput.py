@@ -41,7 +41,7 @@ from pathlib import Path
 
 from bench import schedtrace
 from bench.recovery import Cluster
-from ftrt import _diag
+from ftrt import _diag, progress
 from ftrt.chaos.local import read_jsonl, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -373,19 +373,21 @@ def main(argv: list[str]) -> int:
     grpo = job_config(p, args)
     t0 = time.time()
     rows = []
-    for every in args.every:
-        job = dict(grpo)
-        if args.tell_mtbf and every is not None:
-            job.setdefault("checkpoint.mtbf", every)
-        duration = duration_for(every, args.duration, args.down)
-        for rep, system in run_order(systems, args.reps):
-            r = run_one(system, duration=duration, every=math.inf if every is None else every, down=args.down,
-                        ckpt_every=args.ckpt_every, grpo=job,
-                        mtbf=every if args.tell_mtbf and system.startswith("ftrt") else None)
-            r["every"] = every
-            r["rep"] = rep
-            print(json.dumps({k: v for k, v in r.items() if k != "timeline"}), flush=True)
-            rows.append(r)
+    with progress.bar(len(args.every) * len(systems) * args.reps, "goodput", "run") as shown:
+        for every in args.every:
+            job = dict(grpo)
+            if args.tell_mtbf and every is not None:
+                job.setdefault("checkpoint.mtbf", every)
+            duration = duration_for(every, args.duration, args.down)
+            for rep, system in run_order(systems, args.reps):
+                r = run_one(system, duration=duration, every=math.inf if every is None else every, down=args.down,
+                            ckpt_every=args.ckpt_every, grpo=job,
+                            mtbf=every if args.tell_mtbf and system.startswith("ftrt") else None)
+                r["every"] = every
+                r["rep"] = rep
+                print(json.dumps({k: v for k, v in r.items() if k != "timeline"}), flush=True)
+                rows.append(r)
+                shown.update()
     entries = series(rows)
     path = save_result("goodput", {"rows": rows, "series": entries, "grpo": grpo}, argv, t0, args.out)
     if args.plot:

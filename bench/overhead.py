@@ -36,6 +36,7 @@ from pathlib import Path
 from bench import schedtrace
 from bench.goodput import add_job_options, job_config, save_result
 from bench.recovery import Cluster
+from ftrt import progress
 from ftrt.chaos.local import read_jsonl, spares_warm
 
 TARGET = 1.02
@@ -222,14 +223,16 @@ def sched_breakdown(c: Cluster, seconds: float) -> dict:
 def run(systems: list[str], reps: int, steps: int, warmup: int, ckpt_every: int, grpo: dict,
         trace_s: float = 0.0, pin: bool = False) -> dict:
     rows = []
-    for rep in range(reps):
-        order = systems if rep % 2 == 0 else systems[::-1]
-        for system in order:
-            r = run_one(system, steps=steps, warmup=warmup, ckpt_every=ckpt_every, grpo=grpo, trace_s=trace_s,
-                        pin=pin)
-            r["rep"] = rep
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+    with progress.bar(reps * len(systems), "overhead", "run") as shown:
+        for rep in range(reps):
+            order = systems if rep % 2 == 0 else systems[::-1]
+            for system in order:
+                r = run_one(system, steps=steps, warmup=warmup, ckpt_every=ckpt_every, grpo=grpo, trace_s=trace_s,
+                            pin=pin)
+                r["rep"] = rep
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+                shown.update()
     return {"rows": rows, "summary": summarize(rows, systems)}
 
 

@@ -54,6 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ftrt import progress
 from ftrt.agents.peers.tls import AgentTls
 from ftrt.chaos.local import LocalNode, StepLog, spares_warm, wait_until
 
@@ -344,13 +345,15 @@ def _longest_pause(log: StepLog, t0: float, t1: float) -> float:
 def run(reps: int = 3, scenarios: tuple[str, ...] = SCENARIOS, torchrun_defaults: bool = True,
         workload: str = "ddp", systems: tuple[str, ...] = ("ftrt", "torchrun"), compile: bool = False) -> dict:
     rows = []
-    for scenario in scenarios:
-        for system in systems:
-            for rep in range(reps):
-                r = measure(system, scenario, workload=workload, compile=compile)
-                r["rep"] = rep
-                rows.append(r)
-                print(json.dumps(r), flush=True)
+    with progress.bar(len(scenarios) * len(systems) * reps, "recovery", "run") as shown:
+        for scenario in scenarios:
+            for system in systems:
+                for rep in range(reps):
+                    r = measure(system, scenario, workload=workload, compile=compile)
+                    r["rep"] = rep
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+                    shown.update()
     if torchrun_defaults and "torchrun" in systems:
         r = measure("torchrun", "node_loss", torchrun_conf="", workload=workload, compile=compile)
         r.update(rep=0, settings="defaults")

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftrt import progress
+
 @dataclass(frozen=True)
 class Example:
     """One example script: its module, the options naming its output, the flags each system adds."""
@@ -119,10 +121,12 @@ def main(argv: list[str]) -> int:
                 continue
             for save in [int(x) for x in args.save_steps.split(",")]:
                 rows = {"torchrun": [], "ftrt": []}
-                for r in range(args.reps):  # interleaved, the order flipped every repeat
-                    for system in (("torchrun", "ftrt") if r % 2 == 0 else ("ftrt", "torchrun")):
-                        extra = ("--step-time", str(args.ddp_step_time)) if trainer == "ddp" else ()
-                        rows[system].append(_run(trainer, system, save, args.steps, work, failures, extra))
+                with progress.bar(2 * args.reps, f"{trainer}, save every {save}", "run") as shown:
+                    for r in range(args.reps):  # interleaved, the order flipped every repeat
+                        for system in (("torchrun", "ftrt") if r % 2 == 0 else ("ftrt", "torchrun")):
+                            extra = ("--step-time", str(args.ddp_step_time)) if trainer == "ddp" else ()
+                            rows[system].append(_run(trainer, system, save, args.steps, work, failures, extra))
+                            shown.update()
                 ratios = [f / t for f, t in zip(rows["ftrt"], rows["torchrun"])]
                 res.setdefault(trainer, {})[f"save_every_{save}"] = {
                     **rows, "ratios": ratios, "median_ratio": statistics.median(ratios)}

@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ftrt import progress
 from ftrt.chaos import invariants
 from ftrt.chaos.faults import Context, Injected, injector, preemption_path
 from ftrt.chaos.invariants import CheckpointScan, recovery_limit
@@ -222,57 +223,61 @@ class ChaosRun:
         pending = list(faults)
         ends: list[tuple[float, FaultRecord, Injected]] = []
         next_scrape = 0.0
-        while time.monotonic() < deadline:
-            lines = _lines(metrics)
-            now = time.time()
-            if lines and res.t_first is None:
-                res.t_first = lines[0]["time"] - lines[0].get("step_s", 0.0)
-            since = now - (res.t_first or now)
-            last_step = lines[-1]["step"] if lines else -1
-            for node in nodes.values():
-                if node.alive():
-                    res.pids.update(node.tree())
-            # a fault after the last step would test nothing: it stays pending (reported as not injected)
-            for f in list(pending) if last_step < self.sc.steps - 1 else []:
-                due = (f.at_step is not None and last_step >= f.at_step) or \
-                      (f.at_s is not None and res.t_first is not None and since >= f.at_s)
-                if not due:
-                    continue
-                pending.remove(f)
-                warm = self._spares_warm(nodes, {rec.target for _, rec, _ in ends if rec.kind in SILENCING})
-                # The fault's time is when it is injected: asking the agents whether their spares are
-                # warm and reading /proc take a while on a loaded machine, and the job trains meanwhile.
-                at = time.time() - (res.t_first or now)
-                try:
-                    inj = injector(f.kind)(ctx, f)
-                except Exception as exc:  # noqa: BLE001 - a fault that cannot be injected is a finding
-                    res.records.append(FaultRecord(f.kind, f.target, round(at, 3), last_step, f"not injected: {exc}"))
-                    self.log(f"[chaos] {f.kind} could not be injected: {exc}")
-                    continue
-                rec = FaultRecord(f.kind, inj.target, round(at, 3), last_step, inj.detail, duration_s=f.duration_s,
-                                  spares_warm=warm)
-                res.records.append(rec)
-                self.log(f"[chaos] {rec.at:7.2f} s  step {last_step:>4}  {f.kind} -> {inj.target}: {inj.detail}"
-                         + ("" if warm else " (spares still warming: a cold fault)"))
-                if inj.end is not None:
-                    ends.append((time.monotonic() + (f.duration_s or 0.0), rec, inj))
-                    ctx.busy.add(inj.target)
-            for item in list(ends):
-                if time.monotonic() >= item[0]:
-                    ends.remove(item)
-                    item[2].end()
-                    ctx.busy.discard(item[2].target)
-                    item[1].ended_at = round(time.time() - (res.t_first or time.time()), 3)
-                    self.log(f"[chaos] {item[1].ended_at:7.2f} s  {item[1].kind} on {item[1].target} ended")
-            if not any(n.alive() for n in nodes.values()):
-                break  # the job is over (or every node is dead)
-            if time.monotonic() >= next_scrape:
-                next_scrape = time.monotonic() + SCRAPE_EVERY_S
-                for name, port in ctx.metrics_ports.items():
-                    if nodes[name].alive() and (got := scrape_agent(port)) is not None:
-                        res.scraped[name] = got
-            find_agents(n for n in nodes.values() if n.alive())  # then a fault's warm check is one quick RPC each
-            time.sleep(0.05)
+        with progress.bar(self.sc.steps, f"chaos {self.sc.name}", "step") as shown:
+            while time.monotonic() < deadline:
+                lines = _lines(metrics)
+                now = time.time()
+                if lines and res.t_first is None:
+                    res.t_first = lines[0]["time"] - lines[0].get("step_s", 0.0)
+                since = now - (res.t_first or now)
+                last_step = lines[-1]["step"] if lines else -1
+                shown.set_postfix(faults=len(res.records), refresh=False)
+                shown.update(max(0, last_step + 1 - shown.n))
+                for node in nodes.values():
+                    if node.alive():
+                        res.pids.update(node.tree())
+                # a fault after the last step would test nothing: it stays pending (reported as not injected)
+                for f in list(pending) if last_step < self.sc.steps - 1 else []:
+                    due = (f.at_step is not None and last_step >= f.at_step) or \
+                          (f.at_s is not None and res.t_first is not None and since >= f.at_s)
+                    if not due:
+                        continue
+                    pending.remove(f)
+                    warm = self._spares_warm(nodes, {rec.target for _, rec, _ in ends if rec.kind in SILENCING})
+                    # The fault's time is when it is injected: asking the agents whether their spares are
+                    # warm and reading /proc take a while on a loaded machine, and the job trains meanwhile.
+                    at = time.time() - (res.t_first or now)
+                    try:
+                        inj = injector(f.kind)(ctx, f)
+                    except Exception as exc:  # noqa: BLE001 - a fault that cannot be injected is a finding
+                        res.records.append(FaultRecord(f.kind, f.target, round(at, 3), last_step,
+                                                       f"not injected: {exc}"))
+                        self.log(f"[chaos] {f.kind} could not be injected: {exc}")
+                        continue
+                    rec = FaultRecord(f.kind, inj.target, round(at, 3), last_step, inj.detail, duration_s=f.duration_s,
+                                      spares_warm=warm)
+                    res.records.append(rec)
+                    self.log(f"[chaos] {rec.at:7.2f} s  step {last_step:>4}  {f.kind} -> {inj.target}: {inj.detail}"
+                             + ("" if warm else " (spares still warming: a cold fault)"))
+                    if inj.end is not None:
+                        ends.append((time.monotonic() + (f.duration_s or 0.0), rec, inj))
+                        ctx.busy.add(inj.target)
+                for item in list(ends):
+                    if time.monotonic() >= item[0]:
+                        ends.remove(item)
+                        item[2].end()
+                        ctx.busy.discard(item[2].target)
+                        item[1].ended_at = round(time.time() - (res.t_first or time.time()), 3)
+                        self.log(f"[chaos] {item[1].ended_at:7.2f} s  {item[1].kind} on {item[1].target} ended")
+                if not any(n.alive() for n in nodes.values()):
+                    break  # the job is over (or every node is dead)
+                if time.monotonic() >= next_scrape:
+                    next_scrape = time.monotonic() + SCRAPE_EVERY_S
+                    for name, port in ctx.metrics_ports.items():
+                        if nodes[name].alive() and (got := scrape_agent(port)) is not None:
+                            res.scraped[name] = got
+                find_agents(n for n in nodes.values() if n.alive())  # then a fault's warm check is one quick RPC each
+                time.sleep(0.05)
         for _, rec, inj in ends:  # the run is over: end what is still going on (the dead stay dead)
             if rec.kind not in ("kill_node", "kill_rollout", "drain_node", "preempt_node"):
                 inj.end()

@@ -25,7 +25,6 @@ import copy
 import fcntl
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import ftrt
-from ftrt import _diag
+from ftrt import _diag, progress
 from ftrt.grpo.checkpointing import Cadences, SaveDecision, Saves, decide_save
 from ftrt.grpo import runconfig
 from ftrt.grpo.config import GRPOConfig
@@ -149,12 +148,8 @@ class Progress:
     """The run's progress bar on a terminal (rank 0; ``tqdm``: a smoothed rate and the time left),
     silent elsewhere: ``progress=auto`` shows it only when stderr is a terminal."""
 
-    def __init__(self, mode: str, total: int, initial: int = 0) -> None:
-        from tqdm import tqdm
-
-        on = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
-        self.bar = tqdm(total=total, initial=initial, unit="step", desc="GRPO", file=sys.stderr, disable=not on,
-                        dynamic_ncols=True, smoothing=0.1)
+    def __init__(self, mode: progress.Mode, total: int, initial: int = 0) -> None:
+        self.bar = progress.new_bar(total, "GRPO", "step", mode=mode, initial=initial)
 
     def update(self, step: int, reward: float, tps: float, world: int) -> None:
         """Step ``step`` (of the total) is done."""

@@ -1,0 +1,64 @@
+"""Progress bars for long loops and waits: the GRPO trainer, the chaos runner, the benchmarks.
+
+One place decides how they look and when they show: ``tqdm`` (a smoothed rate and the time
+left) on stderr, only when stderr is a terminal (``mode="auto"``), so logs, CI and pipes get
+plain lines. While a bar is shown, :func:`bar`'s context sends what the program prints to stdout
+above the bar instead of through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from typing import Iterator, Literal
+
+from tqdm import tqdm
+
+Mode = Literal["auto", "bar", "none"]
+
+
+def shown(mode: Mode = "auto") -> bool:
+    """Whether a bar in ``mode`` is drawn: ``bar`` always, ``none`` never, ``auto`` on a terminal."""
+    return mode == "bar" or (mode == "auto" and sys.stderr.isatty())
+
+
+def new_bar(total: int | None, desc: str, unit: str, *, mode: Mode = "auto", initial: int = 0) -> tqdm:
+    """A bar of ``total`` ``unit``s (None: a count without an end), hidden unless :func:`shown`."""
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, disable=not shown(mode),
+                dynamic_ncols=True, smoothing=0.1, leave=True)
+
+
+@contextlib.contextmanager
+def bar(total: int | None, desc: str, unit: str, *, mode: Mode = "auto") -> Iterator[tqdm]:
+    """:func:`new_bar` for the block, closed after it; lines printed meanwhile go above it."""
+    b = new_bar(total, desc, unit, mode=mode)
+    try:
+        if b.disable:
+            yield b
+        else:
+            with contextlib.redirect_stdout(_AboveBar(sys.stdout)):
+                yield b
+    finally:
+        b.close()
+
+
+class _AboveBar(io.TextIOBase):
+    """A stdout that writes whole lines with ``tqdm.write`` (above a live bar)."""
+
+    def __init__(self, out) -> None:
+        self._out = out
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        for line in lines:
+            tqdm.write(line, file=self._out)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial:
+            tqdm.write(self._partial, file=self._out)
+            self._partial = ""
+        self._out.flush()
