@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from ftrt.helptext import help_summary
@@ -70,6 +71,8 @@ def _act(args: argparse.Namespace, loc, key, latest: int | None) -> int:
     steps = list_steps(loc)
     if args.action == "ls":
         if not steps:
+            if loc.is_local and not os.path.isdir(loc.root):
+                raise ConfigError(f"There is no folder {loc.root} (from {args.url}): nothing to list. Check the path.")
             print(f"no checkpoints under {args.url}")
             return 0
         for s in steps:

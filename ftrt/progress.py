@@ -44,7 +44,8 @@ def bar(total: int | None, desc: str, unit: str, *, mode: Mode = "auto") -> Iter
 
 
 class _AboveBar(io.TextIOBase):
-    """A stdout that writes whole lines with ``tqdm.write`` (above a live bar)."""
+    """A stdout that writes whole lines above the live bars on stderr: each is cleared first and
+    drawn again after (``tqdm.external_write_mode``)."""
 
     def __init__(self, out) -> None:
         self._out = out
@@ -53,12 +54,11 @@ class _AboveBar(io.TextIOBase):
     def write(self, text: str) -> int:
         lines = (self._partial + text).split("\n")
         self._partial = lines.pop()
-        for line in lines:
-            tqdm.write(line, file=self._out)
+        if lines:
+            with tqdm.external_write_mode(file=sys.stderr):
+                self._out.write("".join(line + "\n" for line in lines))
+                self._out.flush()
         return len(text)
 
     def flush(self) -> None:
-        if self._partial:
-            tqdm.write(self._partial, file=self._out)
-            self._partial = ""
         self._out.flush()

@@ -30,10 +30,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m ftrt.grpo") -> in
 
         train(cfg)
     except ConfigError as exc:
-        print(f"ftrt.grpo: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2  # a usage error: under ftrt launch, the job fails at once instead of restarting
     except FtrtError as exc:
-        print(f"ftrt.grpo: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     return 0
 

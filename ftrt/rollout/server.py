@@ -32,7 +32,7 @@ import grpc.aio
 from ftrt import _diag
 from ftrt.auth import JobToken, job_token, require_token
 from ftrt.store.concurrency import Session
-from ftrt.errors import ConfigError, StoreError
+from ftrt.errors import ConfigError, StoreError, StoreUnavailable
 from ftrt.jobkeys import JobKeys, check_id
 from ftrt.rollout import claims
 from ftrt.rollout.engine import BuiltinEngine
@@ -42,7 +42,7 @@ from ftrt.rollout.errors import EngineFailed, StaleVersion
 from ftrt.rollout.weights import Assembler, PushRefused
 from ftrt.store import access as etcd_access
 from ftrt.store.api import Store
-from ftrt.store.etcd import EtcdStore
+from ftrt.store.etcd import EtcdStore, unreachable
 from ftrt.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger("ftrt.rollout")
@@ -387,7 +387,10 @@ async def serve(ns: argparse.Namespace) -> None:
     store = EtcdStore(ns.etcd, access=access)
     keys = JobKeys(ns.job_id)
     try:
-        token = await job_token(store, keys)
+        try:
+            token = await job_token(store, keys)
+        except StoreUnavailable as exc:
+            raise unreachable(ns.etcd, 5.0) from exc
         spec = await wait_for_spec(store, keys)
         engine = build_engine(ns, spec)
         try:

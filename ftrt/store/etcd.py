@@ -109,7 +109,10 @@ def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
             if item.startswith(scheme):
                 item = item[len(scheme):]
         host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if sep and host and port.isdigit() and not 0 < int(port) < 65536:
+            raise ConfigError(f"The etcd endpoint {raw.strip()!r} has port {port}, which is not a port; "
+                              "give one of 1-65535, e.g. 127.0.0.1:2379.")
+        if not sep or not host or not port.isdigit():
             raise ConfigError(
                 f"The etcd endpoint {raw.strip()!r} is not HOST:PORT; "
                 "give endpoints as HOST:PORT[,HOST:PORT...], e.g. 127.0.0.1:2379."

@@ -79,6 +79,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _readable(line: str) -> str:
+    """One line of etcd's log as a person reads it: a JSON line's ``msg`` and ``error``."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(entry, dict) or "msg" not in entry:
+        return line
+    return str(entry["msg"]) + (f": {entry['error']}" if entry.get("error") else "")
+
+
 @dataclass
 class EtcdServer:
     """One etcd member as a child process.
@@ -198,7 +209,9 @@ class EtcdServer:
         return self
 
     def stderr_tail(self, lines: int = 5) -> str:
-        """The last ``lines`` lines etcd wrote (to ``log_path`` or its kept stderr), or ''."""
+        """The last ``lines`` lines etcd wrote (to ``log_path`` or its kept stderr), or ''. etcd's
+        JSON log lines are given as their message and error, which is what a person needs; a
+        ``fatal`` line, the reason etcd exited, is given alone."""
         f = self._log_file
         if f is None:
             return ""
@@ -206,9 +219,12 @@ class EtcdServer:
             f.flush()
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 8192))
-            return "\n".join(f.read().decode(errors="replace").strip().splitlines()[-lines:])
+            tail = f.read().decode(errors="replace").strip().splitlines()[-lines:]
         except (OSError, ValueError):
             return ""
+        said = [_readable(line) for line in tail]
+        fatal = [text for line, text in zip(tail, said) if '"level":"fatal"' in line]
+        return "\n".join(fatal[-1:] or said)
 
     def healthy(self, timeout: float = 0.5) -> bool:
         """Whether the member answers ``/health`` with a leader in its cluster."""

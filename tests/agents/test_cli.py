@@ -133,12 +133,23 @@ def test_status_of_unknown_job_says_so(etcd_endpoint):
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.parametrize("command", [["status", "--job-id", "j"], ["drain", "--job-id", "j", "a"]])
-def test_every_command_says_the_same_when_etcd_is_unreachable(command):
-    res = run_ftrt(command[0], "--etcd", "127.0.0.1:1", *command[1:], timeout=60)
+@pytest.mark.parametrize("command,seconds", [(["status"], 3), (["drain", "a"], 3), (["rollout", "serve"], 5)])
+def test_every_command_says_the_same_when_etcd_is_unreachable(command, seconds):
+    res = run_ftrt(*command, "--etcd", "127.0.0.1:1", "--job-id", "j", timeout=60)
     assert res.returncode != 0 and "Traceback" not in res.stderr
-    assert "ftrt: error: Cannot reach etcd at 127.0.0.1:1 within 3 s. Start etcd there (ftrt etcd) or fix --etcd." \
-        in res.stderr, res.stderr
+    assert f"ftrt: error: Cannot reach etcd at 127.0.0.1:1 within {seconds} s. Start etcd there (ftrt etcd) or fix " \
+           "--etcd." in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["status", "--job-id", "j", "--etcd", "127.0.0.1:99999"], "has port 99999, which is not a port; give one of 1-65535"),
+    (["ckpt", "ls", "/nonexistent/ck"], "There is no folder /nonexistent/ck (from /nonexistent/ck): nothing to list."),
+    (["grpo", "steps=abc"], "ftrt grpo: error: Config field 'steps' = 'abc' is invalid"),
+])
+def test_typos_in_other_commands_are_one_clear_line(argv, needle):
+    res = run_ftrt(*argv, timeout=60)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
 def test_runtime_outside_ftrt_is_a_world_of_one():

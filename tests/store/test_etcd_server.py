@@ -64,3 +64,19 @@ def test_an_etcd_that_fails_to_start_says_why(tmp_path):
         server.stop()
     assert "exited with code" in str(err.value) and "it said:" in str(err.value), str(err.value)
     assert "address already in use" in str(err.value).lower(), str(err.value)
+
+
+def test_etcd_s_fatal_json_log_line_is_given_as_its_message_and_error(tmp_path):
+    import pytest
+
+    from ftrt.errors import FtrtError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    server = EtcdServer(name="nodir", data_dir=str(blocker / "data"))
+    with pytest.raises(FtrtError) as err:
+        server.start(timeout=30)
+    server.stop()
+    said = str(err.value).split("it said: ", 1)[1]
+    assert said.startswith("discovery failed: cannot access data directory: mkdir ") and "not a directory" in said, said
+    assert "{" not in said, said
