@@ -130,8 +130,13 @@ class VllmEngine:
         return url
 
     def _wait_ready(self, ready_timeout: float) -> None:
-        end = time.monotonic() + ready_timeout
+        start = time.monotonic()
+        end, said = start + ready_timeout, start
         while time.monotonic() < end:
+            if time.monotonic() - said >= 30:  # vLLM takes minutes to start on a CPU: say what is going on
+                said = time.monotonic()
+                log.info("waiting for vLLM at %s to answer (%.0f s of --vllm-ready-timeout %g s)%s", self.url,
+                         said - start, ready_timeout, f"; its log: {self.workdir / 'vllm.log'}" if self.proc else "")
             if self.proc is not None and self.proc.poll() is not None:
                 raise EngineFailed(f"vLLM exited with code {self.proc.returncode} while starting; see "
                                    f"{self.workdir / 'vllm.log'}.")
