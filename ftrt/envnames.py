@@ -85,3 +85,9 @@ DIAG_HOLD = "FTRT_DIAG_HOLD"
 """``POINT:STEP``: the worker waits at that point of that step for the next round (:mod:`ftrt._diag`, tests)."""
 DIAG_CRASH = "FTRT_DIAG_CRASH"
 """``POINT:STEP:RANK:MARKER``: that rank exits at that point of that step, once (:mod:`ftrt._diag`, tests)."""
+
+# -- Ray node host -> its workers (ftrt.integrations.ray) ---------------------------------------
+RAY_HOST_SOCKET = "FTRT_RAY_HOST_SOCKET"
+"""The node host's Unix socket, where each worker of an elastic Ray group takes its calls."""
+RAY_HOST_KEY = "FTRT_RAY_HOST_KEY"
+"""The key (hex) a worker proves it holds before the host hears anything from it."""

@@ -1,0 +1,285 @@
+"""An elastic, in-place worker group for single-controller Ray programs (docs/ray.md).
+
+The driver makes an :class:`ElasticGroup` of a worker class (``module:Class``), ``nproc_per_node``
+workers on each Ray node, and calls methods on all of them with the results gathered, as veRL's
+or OpenRLHF's worker groups do. Underneath it is an ftrt job: a node host on each Ray node
+(:mod:`~ftrt.integrations.ray.host`) runs the node's ftrt agent, whose workers
+(:mod:`~ftrt.integrations.ray.worker`) hold the worker objects in one torch process group.
+
+When a Ray node dies, Ray tells the driver at once (the node's host actor dies); the group removes
+the node's record from the job's etcd, so the job's next round is decided without waiting for the
+node's lease to run out. The surviving workers take that round in place, their processes and
+state kept, and run the call in flight again at the smaller world: :meth:`ElasticGroup.call`
+returns it. A node added to the Ray cluster gets a host at the next call (up to ``max_nodes``);
+ftrt admits its workers at a step boundary, and from then on they run the calls too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftrt.errors import FtrtError
+from ftrt.integrations.ray import wire
+from ftrt.integrations.ray.host import HostSpec, NodeHost
+
+log = logging.getLogger(__name__)
+
+NODE_CHECK_S = 1.0
+"""How often a call looks for Ray nodes without a host."""
+
+
+class GroupError(FtrtError):
+    """A method failed on a worker (its traceback is in the message), or the group cannot run."""
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """What one call gave: each worker's reply, and the round, world size and values of the round
+    that completed it (values in rank order)."""
+
+    replies: tuple[wire.Reply, ...]
+    round: int
+    world_size: int
+    values: tuple[Any, ...]
+
+
+@dataclass
+class _Host:
+    node_id: str
+    actor: Any
+    in_job: bool = False
+
+
+@dataclass
+class ElasticGroup:
+    """See the module docstring.
+
+    Args:
+        worker: the worker class as ``module:Class``, importable on every node.
+        nproc_per_node: workers per Ray node.
+        min_nodes, max_nodes: the job's node range (``max_nodes`` None: the nodes there are now).
+        args, kwargs: what each worker object is built with.
+        etcd: the job's etcd (``HOST:PORT``); None starts one for the group on the driver's node
+            (only where that node's address is loopback: elsewhere give a secured etcd).
+        job_id: the ftrt job's id (default: a new one).
+        launch_args: more ``ftrt launch`` flags for every node's agent.
+        env: more environment for the agents and workers.
+        ready_timeout: seconds the group may take to start.
+        node_filter: which Ray nodes get workers (default: alive nodes with a CPU).
+    """
+
+    worker: str
+    nproc_per_node: int = 1
+    min_nodes: int = 1
+    max_nodes: int | None = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    etcd: str | None = None
+    job_id: str = field(default_factory=lambda: f"ray-{secrets.token_hex(4)}")
+    launch_args: tuple[str, ...] = ("--lease-ttl", "3")
+    env: dict[str, str] = field(default_factory=dict)
+    ready_timeout: float = 300.0
+    node_filter: Any = None
+
+    def __post_init__(self) -> None:
+        import ray
+
+        self._ray = ray
+        self._host_cls = None
+        self._etcd_server = None
+        if self.etcd is None:
+            from ftrt.store.etcd_server import EtcdServer
+
+            host = ray.util.get_node_ip_address()
+            if not ipaddress.ip_address(host).is_loopback:
+                raise GroupError(f"The driver's node address is {host}, so the group's own etcd would serve the "
+                                 "network without TLS or users. Give etcd= the endpoints of a secured etcd (ftrt "
+                                 "etcd --tls DIR --etcd-user ...) and its client flags in launch_args.")
+            self._etcd_server = EtcdServer(host=host)
+            self._etcd_server.start()
+            self.etcd = self._etcd_server.endpoint
+        nodes = self._eligible()
+        if self.max_nodes is None:
+            self.max_nodes = max(len(nodes), self.min_nodes)
+        if len(nodes) < self.min_nodes:
+            self.close()
+            raise GroupError(f"The Ray cluster has {len(nodes)} node(s) that can take workers; the group needs at "
+                             f"least min_nodes={self.min_nodes}. Add nodes or lower min_nodes.")
+        self._hosts: dict[str, _Host] = {}
+        self._seq = 0
+        self._checked_at = 0.0
+        self.round = 0
+        self.world_size = 0
+        try:
+            for node in nodes[: self.max_nodes]:
+                self._start_host(node)
+            self._wait_in_job(len(self._hosts))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- nodes ----------------------------------------------------------------------------------
+    def _eligible(self) -> list[dict]:
+        accept = self.node_filter or (lambda n: n["Resources"].get("CPU", 0) >= 1)
+        return [n for n in self._ray.nodes() if n["Alive"] and accept(n)]
+
+    def _start_host(self, node: dict) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ray_id = node["NodeID"]
+        node_id = f"ray-{ray_id[:12]}"
+        spec = HostSpec(self.job_id, node_id, self.etcd, self.min_nodes, self.max_nodes, self.nproc_per_node,
+                        wire.Init(self.worker, tuple(self.args), dict(self.kwargs)), tuple(self.launch_args),
+                        dict(self.env))
+        if self._host_cls is None:
+            self._host_cls = self._ray.remote(NodeHost)  # exported once: a join costs no export
+        actor = self._host_cls.options(
+            num_cpus=0, max_concurrency=16, max_restarts=0, name=f"ftrt-host-{self.job_id}-{node_id}",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray_id, soft=False)).remote(spec)
+        self._hosts[ray_id] = _Host(node_id, actor)
+        log.info("node host for Ray node %s (%s) started", node_id, node["NodeManagerAddress"])
+
+    def _grow(self) -> None:
+        """Hosts for Ray nodes that have none, up to ``max_nodes`` (at most every NODE_CHECK_S)."""
+        now = time.monotonic()
+        if now - self._checked_at < NODE_CHECK_S:
+            return
+        self._checked_at = now
+        for node in self._eligible():
+            if len(self._hosts) >= self.max_nodes:
+                return
+            if node["NodeID"] not in self._hosts:
+                self._start_host(node)
+
+    def _lost(self, ray_id: str, why: Exception) -> None:
+        """A host died with its Ray node: drop its node from the job at once (its record in etcd),
+        instead of waiting for its lease to run out."""
+        host = self._hosts.pop(ray_id)
+        log.warning("Ray node %s is gone (%s); the group goes on without it", host.node_id, type(why).__name__)
+        from ftrt.jobkeys import JobKeys
+        from ftrt.store.etcd import EtcdStore
+
+        async def drop() -> None:
+            store = EtcdStore(self.etcd, timeout=5.0)
+            try:
+                await store.delete(JobKeys(self.job_id).node(host.node_id))
+            finally:
+                await store.close()
+
+        try:
+            asyncio.run(drop())
+        except FtrtError as exc:
+            log.warning("could not drop node %s from etcd (%s); its lease runs out instead", host.node_id, exc)
+
+    def _wait_in_job(self, hosts: int) -> None:
+        """Block until ``hosts`` hosts' workers are all in one round (or fail with their agents' words)."""
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            states = self._ray.get([h.actor.status.remote() for h in self._hosts.values()])
+            for st in states:
+                if st["agent_exit"] is not None:
+                    tail = self._ray.get(next(h.actor for h in self._hosts.values()
+                                              if h.node_id == st["node_id"]).log_tail.remote())
+                    raise GroupError(f"The ftrt agent of node {st['node_id']} exited with code {st['agent_exit']} "
+                                     f"while the group started; its last lines:\n{tail}")
+            places = [w["place"] for st in states for w in st["workers"] if w["ready"]]
+            rounds = {p.round for p in places}
+            if len(states) == hosts and len(places) == hosts * self.nproc_per_node and len(rounds) == 1 \
+                    and places[0].world_size == len(places):
+                self.round, self.world_size = places[0].round, places[0].world_size
+                for h in self._hosts.values():
+                    h.in_job = True
+                log.info("elastic group %s ready: %d workers on %d nodes, round %d", self.job_id,
+                         self.world_size, hosts, self.round)
+                return
+            if time.monotonic() > deadline:
+                raise GroupError(f"The group was not ready after {self.ready_timeout:g} s: {len(places)} of "
+                                 f"{hosts * self.nproc_per_node} workers in the job (rounds {sorted(rounds)}).")
+            time.sleep(0.2)
+
+    # -- calls ----------------------------------------------------------------------------------
+    def call(self, method: str, *args: Any, **kwargs: Any) -> CallResult:
+        """Run ``method(*args, **kwargs)`` on every worker and gather the replies. A node lost during
+        the call makes its survivors run it again at the smaller world; a method that fails on a
+        worker raises :class:`GroupError` with its traceback."""
+        self._grow()
+        if not self._hosts:
+            raise GroupError("Every node of the group is gone.")
+        self._seq += 1
+        seq = self._seq
+        pending = {self._hosts[rid].actor.call.remote(seq, method, args, kwargs): rid for rid in self._hosts}
+        replies: list[wire.Reply] = []
+        cancelled = False
+        while pending:
+            if not any(self._hosts[r].in_job for r in pending.values()):
+                # Every host in the job has answered. A joining host's workers ran the call only if
+                # the round that completed it admitted them; otherwise it need not be waited for.
+                if not cancelled:
+                    cancelled = True
+                    for joining in pending.values():
+                        self._hosts[joining].actor.cancel.remote(seq)
+                if _complete(replies):
+                    break
+            done, _ = self._ray.wait(list(pending), num_returns=1)
+            ref = done[0]
+            rid = pending.pop(ref)
+            try:
+                got = self._ray.get(ref)
+            except self._ray.exceptions.RayActorError as exc:
+                self._lost(rid, exc)
+                continue
+            if got and rid in self._hosts:
+                self._hosts[rid].in_job = True
+            replies.extend(got)
+        failed = [r for r in replies if not r.ok]
+        if failed:
+            first = min(failed, key=lambda r: r.place.rank)
+            raise GroupError(f"{method} failed on rank {first.place.rank} (pid {first.pid}):\n{first.error}")
+        if not replies:
+            raise GroupError(f"No worker ran {method}: every node of the group is gone.")
+        last = max(r.place.round for r in replies)
+        final = sorted((r for r in replies if r.place.round == last), key=lambda r: r.place.rank)
+        self.round, self.world_size = last, final[0].place.world_size
+        return CallResult(tuple(replies), last, self.world_size, tuple(r.value for r in final))
+
+    def status(self) -> list[dict]:
+        """Each host's status (:meth:`NodeHost.status`)."""
+        return self._ray.get([h.actor.status.remote() for h in self._hosts.values()])
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish the workers, end the job and stop the hosts (and the group's own etcd)."""
+        hosts = getattr(self, "_hosts", {})
+        if hosts:
+            stops = [h.actor.stop.remote(timeout) for h in hosts.values()]
+            for ref in stops:
+                try:
+                    self._ray.get(ref)
+                except self._ray.exceptions.RayActorError:
+                    pass
+            for h in hosts.values():
+                self._ray.kill(h.actor)
+            hosts.clear()
+        if self._etcd_server is not None:
+            self._etcd_server.stop()
+            self._etcd_server = None
+
+    def __enter__(self) -> "ElasticGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _complete(replies: list[wire.Reply]) -> bool:
+    """Whether the newest round among ``replies`` has a reply from each of its ranks."""
+    if not replies:
+        return False
+    last = max(r.place.round for r in replies)
+    final = {r.place.rank for r in replies if r.place.round == last}
+    return len(final) == next(r.place.world_size for r in replies if r.place.round == last)

@@ -1,0 +1,239 @@
+"""The node host: one Ray actor per Ray node of an elastic group, which runs that node's ftrt agent
+and relays the driver's calls to the agent's workers.
+
+The host starts ``ftrt launch`` on its node (the node's agent, with ``--recovery in-place``):
+everything ftrt does for a node happens there as under any launch (membership and rounds on etcd,
+supervision, memory replicas, fencing). The agent's workers run
+:mod:`ftrt.integrations.ray.worker` and connect back to the host over a Unix socket in the host's
+private folder (:mod:`~ftrt.integrations.ray.wire`).
+
+A call (:meth:`NodeHost.call`) goes to every worker of the node that is in the job, and returns
+their replies once each has answered. A worker that joins while a call is in flight (its node
+was just admitted, or it replaced a failed one) gets the call too: its peers run it in a round
+that includes it. A host whose workers are not in the job yet holds the call until they are, or
+until the driver says the call is complete without them (:meth:`NodeHost.cancel`).
+
+The agent is started from a thread that lives as long as the agent, so the parent-death signal
+the agent's children rely on fires when the host's process dies, and only then.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+from ftrt import envnames, tmpdirs
+from ftrt.errors import FtrtError
+from ftrt.integrations.ray import wire
+from ftrt.procs import dying_with_this_process
+
+
+class HostFailed(FtrtError):
+    """The node's agent exited: its workers are gone (the job failed, or the node is leaving)."""
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """What a node host runs: the job, this node's name in it, and the workers' class."""
+
+    job_id: str
+    node_id: str
+    etcd: str
+    min_nodes: int
+    max_nodes: int
+    nproc: int
+    init: wire.Init
+    launch_args: tuple[str, ...] = ()
+    """More ``ftrt launch`` flags (e.g. ``--lease-ttl 2``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """More environment for the agent and its workers."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "ftrt.cli.main", "launch", "--etcd", self.etcd, "--job-id", self.job_id,
+                "--node-id", self.node_id, "--nnodes", f"{self.min_nodes}:{self.max_nodes}",
+                "--nproc-per-node", str(self.nproc), "--recovery", "in-place", *self.launch_args,
+                "-m", "ftrt.integrations.ray.worker"]
+
+
+@dataclass
+class _Link:
+    """One worker's connection."""
+
+    conn: Connection
+    local_rank: int
+    pid: int
+    ready: bool = False
+    place: wire.Place | None = None
+    alive: bool = True
+    sent: set[int] = field(default_factory=set)
+    replies: dict[int, wire.Reply] = field(default_factory=dict)
+
+
+class NodeHost:
+    """See the module docstring. Made a Ray actor by the group (``max_concurrency`` > 1: a call and
+    its cancel run at the same time)."""
+
+    def __init__(self, spec: HostSpec) -> None:
+        self.spec = spec
+        self.dir = tmpdirs.owned_dir("ftrt-ray-")  # removed by the next host here if this one is killed
+        self.log_path = os.path.join(self.dir, "agent.log")
+        key = secrets.token_bytes(wire.AUTH_BYTES)
+        self.listener = Listener(os.path.join(self.dir, "host.sock"), "AF_UNIX", authkey=key)
+        self._cond = threading.Condition()
+        self._links: dict[int, _Link] = {}
+        self._current: wire.Call | None = None
+        self._cancelled: set[int] = set()
+        self._agent_code: int | None = None
+        self._closing = False
+        env = {**os.environ, **spec.env, envnames.RAY_HOST_SOCKET: os.path.join(self.dir, "host.sock"),
+               envnames.RAY_HOST_KEY: key.hex()}
+        started = threading.Event()
+        self._agent: subprocess.Popen | None = None
+        threading.Thread(target=self._run_agent, args=(env, started), name="ftrt-agent", daemon=True).start()
+        threading.Thread(target=self._accept, name="ftrt-accept", daemon=True).start()
+        started.wait()
+
+    # -- the agent ------------------------------------------------------------------------------
+    def _run_agent(self, env: dict[str, str], started: threading.Event) -> None:
+        with open(self.log_path, "ab") as log:
+            self._agent = subprocess.Popen(dying_with_this_process(self.spec.command()), env=env, stdout=log,
+                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd())
+            started.set()
+            code = self._agent.wait()  # this thread lives as long as the agent (its parent-death signal)
+        with self._cond:
+            self._agent_code = code
+            self._cond.notify_all()
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last lines the agent and its workers wrote."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _failed(self) -> HostFailed:
+        return HostFailed(f"The ftrt agent of node {self.spec.node_id} exited with code {self._agent_code}; "
+                          f"its last lines:\n{self.log_tail()}")
+
+    # -- workers' connections -------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                conn = self.listener.accept()  # authenticated before anything is unpickled
+            except OSError:
+                if self._closing:
+                    return
+                continue  # a peer without the key, or one that went away
+            threading.Thread(target=self._serve_link, args=(conn,), name="ftrt-link", daemon=True).start()
+
+    def _serve_link(self, conn: Connection) -> None:
+        try:
+            hello = conn.recv()
+        except (EOFError, OSError):
+            return
+        if not isinstance(hello, wire.Hello):
+            conn.close()
+            return
+        link = _Link(conn, hello.local_rank, hello.pid)
+        with self._cond:
+            old = self._links.get(hello.local_rank)
+            if old is not None:
+                old.alive = False  # replaced (the agent restarted that worker)
+            self._links[hello.local_rank] = link
+            conn.send(self.spec.init)
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._cond:
+                if isinstance(message, wire.Ready):
+                    link.ready, link.place = True, message.place
+                    call = self._current
+                    if call is not None and call.seq not in self._cancelled and call.seq not in link.sent:
+                        self._send(link, call)  # its peers run the call in a round that includes it
+                elif isinstance(message, wire.Reply):
+                    link.replies[message.seq] = message
+                    link.place = message.place
+                self._cond.notify_all()
+        with self._cond:
+            link.alive = False
+            self._cond.notify_all()
+
+    def _send(self, link: _Link, call: wire.Call) -> None:
+        try:
+            link.conn.send(call)
+            link.sent.add(call.seq)
+        except OSError:
+            link.alive = False
+
+    # -- the driver's side ----------------------------------------------------------------------
+    def call(self, seq: int, method: str, args: tuple = (), kwargs: dict | None = None) -> list[wire.Reply]:
+        """Run the call on every worker of this node that is in the job; their replies. Held while
+        none is (see the module docstring)."""
+        call = wire.Call(seq, method, tuple(args), dict(kwargs or {}))
+        with self._cond:
+            self._current = call
+            for link in self._links.values():
+                if link.alive and link.ready:
+                    self._send(link, call)
+            try:
+                while True:
+                    running = [lk for lk in self._links.values() if lk.alive and seq in lk.sent]
+                    if running and all(seq in lk.replies for lk in running):
+                        return [lk.replies.pop(seq) for lk in running]
+                    if not running and seq in self._cancelled:
+                        return []
+                    if self._agent_code is not None:
+                        raise self._failed()
+                    self._cond.wait(0.5)
+            finally:
+                if self._current is call:
+                    self._current = None
+                self._cancelled.discard(seq)
+
+    def cancel(self, seq: int) -> None:
+        """The call ``seq`` completed without this node's workers: stop holding it, unless one of
+        them has it already."""
+        with self._cond:
+            self._cancelled.add(seq)
+            self._cond.notify_all()
+
+    def status(self) -> dict[str, Any]:
+        """The node, its agent, and each worker: pid, whether it is in the job, and its place."""
+        with self._cond:
+            return {"node_id": self.spec.node_id, "agent_pid": self._agent.pid if self._agent else None,
+                    "agent_exit": self._agent_code, "log": self.log_path,
+                    "workers": [{"local_rank": lk.local_rank, "pid": lk.pid, "ready": lk.ready,
+                                 "place": lk.place} for lk in self._links.values() if lk.alive]}
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """Tell the workers to finish, wait for the agent to end the job's part here, and clean up;
+        the agent's exit code (None: it had to be killed)."""
+        with self._cond:
+            self._closing = True
+            for link in self._links.values():
+                if link.alive:
+                    try:
+                        link.conn.send(wire.Stop())
+                    except OSError:
+                        pass
+            deadline = time.monotonic() + timeout
+            while self._agent_code is None and time.monotonic() < deadline:
+                self._cond.wait(0.5)
+            code = self._agent_code
+        if code is None and self._agent is not None:
+            self._agent.kill()
+        self.listener.close()
+        tmpdirs.remove(self.dir)
+        return code

@@ -1,0 +1,153 @@
+"""ftrt.integrations.ray: an elastic group on a real Ray cluster of several raylets on this machine
+(loopback only), with Ray nodes removed while it trains.
+
+Each test checks what a fault must not change: every sample of every step trained exactly once
+(the ledger of what each rank trained), every step applied once, the weights those steps give, and
+the survivors' worker processes kept (same pids) across the round change.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ftrt[ray]')")
+
+from ftrt.examples.ray_regression import DIM, sample  # noqa: E402
+from ftrt.integrations.ray import ElasticGroup, loopback_cluster  # noqa: E402
+from ftrt.chaos.local import wait_until  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+BATCH = 12
+WORKER = "ftrt.examples.ray_regression:Regression"
+
+
+@pytest.fixture
+def cluster():
+    c = loopback_cluster(3)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def batch(step: int) -> list[int]:
+    return list(range(step * BATCH, (step + 1) * BATCH))
+
+
+def reference_weights(steps: int, lr: float = 0.05) -> torch.Tensor:
+    """The weights after ``steps`` steps trained in one process on whole batches."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(DIM, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = sample(batch(step))
+        opt.zero_grad()
+        (((model(x) - y) ** 2).sum() / BATCH).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def check_ledger(results: list, steps: int) -> None:
+    """Each step applied once, and its samples trained once each, by the round that completed it."""
+    for step, res in zip(range(steps), results):
+        trained = [v for v in res.values if not v["skipped"]]
+        assert trained and {v["step"] for v in trained} == {step}
+        ids = sorted(i for v in trained for i in v["ids"])
+        assert ids == batch(step), f"step {step}: trained {ids}"
+        assert {v["world"] for v in trained} == {res.world_size} and len(trained) == res.world_size
+
+
+def pids(group) -> dict[str, int]:
+    return {st["node_id"]: w["pid"] for st in group.status() for w in st["workers"]}
+
+
+def node_of(cluster, group, node_id: str):
+    return next(n for n in cluster.worker_nodes if f"ray-{n.node_id[:12]}" == node_id)
+
+
+def test_a_node_removed_between_steps_leaves_the_survivors_training_in_place(cluster):
+    with ElasticGroup(WORKER, min_nodes=1) as group:
+        assert group.world_size == 3
+        before = pids(group)
+        results = [group.call("train", s, batch(s)) for s in range(4)]
+        victim = sorted(before)[1]
+        cluster.remove_node(node_of(cluster, group, victim))
+        results += [group.call("train", s, batch(s)) for s in range(4, 8)]
+        assert [r.world_size for r in results] == [3] * 4 + [2] * 4
+        check_ledger(results, 8)
+        after = pids(group)
+        assert after == {n: p for n, p in before.items() if n != victim}  # the survivors' processes kept
+        weights = group.call("weights").values
+    assert weights[0] == weights[1]
+    assert torch.allclose(torch.tensor(weights[0]), reference_weights(8), atol=1e-5)
+
+
+def test_a_node_removed_while_a_step_is_in_flight_costs_no_sample(cluster, tmp_path):
+    with ElasticGroup(WORKER, min_nodes=1) as group:
+        before = pids(group)
+        results = [group.call("train", s, batch(s)) for s in range(3)]
+        hold = tmp_path / "hold"
+        hold.mkdir()
+        got: dict = {}
+
+        def step3() -> None:
+            try:
+                got["res"] = group.call("train", 3, batch(3), hold=str(hold))
+            except Exception as exc:  # noqa: BLE001 - reported below
+                got["error"] = exc
+
+        t = threading.Thread(target=step3)
+        t.start()
+        # Every rank is inside step 3 (its data taken, its all-reduce not begun) when the node goes.
+        wait_until(lambda: len(list(hold.glob("started-*"))) == 3, 120, "every rank inside step 3")
+        victim = sorted(before)[0]
+        cluster.remove_node(node_of(cluster, group, victim))
+        (hold / "go").touch()
+        t.join(300)
+        assert "error" not in got, got.get("error")
+        results.append(got["res"])
+        assert results[-1].world_size == 2
+        results += [group.call("train", s, batch(s)) for s in range(4, 6)]
+        check_ledger(results, 6)
+        assert pids(group) == {n: p for n, p in before.items() if n != victim}
+        weights = group.call("weights").values
+    assert torch.allclose(torch.tensor(weights[0]), reference_weights(6), atol=1e-5)
+
+
+def test_a_worker_method_that_raises_is_reported_with_its_traceback_and_the_group_goes_on(cluster):
+    from ftrt.integrations.ray import GroupError
+
+    with ElasticGroup(WORKER, min_nodes=1) as group:
+        with pytest.raises(GroupError, match=r"(?s)train failed on rank 0 .*steps are trained in order"):
+            group.call("train", 5, batch(5))
+        assert group.call("train", 0, batch(0)).world_size == 3
+
+
+def test_a_node_added_to_the_cluster_joins_at_a_step_boundary_and_trains_its_share(tmp_path):
+    c = loopback_cluster(2)
+    try:
+        with ElasticGroup(WORKER, min_nodes=1, max_nodes=3) as group:
+            before = pids(group)
+            results = [group.call("train", s, batch(s)) for s in range(2)]
+            c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+            step, give_up = 2, time.monotonic() + 180
+            while results[-1].world_size < 3:  # the newcomer's workers warm up, then are admitted
+                assert time.monotonic() < give_up, "the added node was never admitted"
+                results.append(group.call("train", step, batch(step)))
+                step += 1
+            results += [group.call("train", s, batch(s)) for s in range(step, step + 2)]
+            check_ledger(results, len(results))
+            after = pids(group)
+            assert {n: after[n] for n in before} == before and len(after) == 3  # nobody restarted
+            weights = group.call("weights").values
+        assert weights[0] == weights[2]  # the newcomer got the agreed weights
+        assert torch.allclose(torch.tensor(weights[0]), reference_weights(len(results)), atol=1e-5)
+    finally:
+        ray.shutdown()
+        c.shutdown()
