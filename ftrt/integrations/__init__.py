@@ -7,5 +7,6 @@ none of them.
   ``ElasticTrainer`` for node loss without skipped or repeated samples;
 - ``ftrt.integrations.trl``: TRL's ``GRPOTrainer`` (its generation buffer, its data in generations);
 - ``ftrt.integrations.lightning``: PyTorch Lightning (checkpoint IO, callback);
-- ``ftrt.integrations.commits``: the trainer-agnostic commit and resume of checkpoint folders.
+- ``ftrt.integrations.commits``: the trainer-agnostic commit and resume of checkpoint folders;
+- ``ftrt.integrations.ray``: an elastic worker group for single-controller Ray programs (docs/ray.md).
 """
