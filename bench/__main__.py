@@ -18,7 +18,7 @@ NAMES = {
     "rdzv_scale": "bench.rdzv_scale", "overhead": "bench.overhead", "goodput": "bench.goodput",
     "recovery": "bench.recovery", "ckpt_stall": "bench.ckpt_stall", "restore": "bench.restore",
     "rollout": "bench.rollout", "rollout_fleet": "bench.rollout_fleet",
-    "trainers": "bench.trainers", "memsave": "bench.memsave",
+    "trainers": "bench.trainers", "memsave": "bench.memsave", "ray": "bench.ray_elastic",
 }
 QUICK: dict[str, list[str]] = {
     "rdzv_scale": ["--sizes", "16,64,256", "--torchrun-sizes", "16,64", "--c10d", "best", "--cap", "30"],
@@ -31,6 +31,7 @@ QUICK: dict[str, list[str]] = {
     "rollout_fleet": ["--pushes", "3", "--steps", "25", "--storm-steps", "80"],
     "trainers": ["--reps", "1", "--steps", "25"],
     "memsave": ["--saves", "50"],
+    "ray": ["--duration", "100", "--every", "45", "--down", "15"],
 }
 """Each benchmark's settings in ``all``."""
 

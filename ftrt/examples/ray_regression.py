@@ -41,7 +41,9 @@ def sample(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 class Regression:
     """See the module docstring."""
 
-    def __init__(self, lr: float = 0.05, seed: int = 0) -> None:
+    def __init__(self, lr: float = 0.05, seed: int = 0, step_time: float = 0.0) -> None:
+        """``step_time``: seconds each step also spends (a stand-in for a real model's compute)."""
+        self.step_time = step_time
         torch.manual_seed(seed)
         self.model = torch.nn.Linear(DIM, 1)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
@@ -70,6 +72,8 @@ class Regression:
             while not Path(hold, "go").exists():
                 time.sleep(0.02)
         x, y = sample(mine)
+        if self.step_time:
+            time.sleep(self.step_time)
         self.opt.zero_grad()
         loss = ((self.model(x) - y) ** 2).sum()
         loss.backward()
