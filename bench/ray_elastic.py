@@ -48,23 +48,40 @@ def _batch(step: int) -> list[int]:
 
 
 class Schedule:
-    """Remove the oldest worker node every ``every`` s and add one back ``down`` s later (main thread)."""
+    """Remove the oldest worker node every ``every`` s and add one back ``down`` s later (main thread).
+    ``hard``: the node's processes are SIGKILLed (Ray learns it from failed health checks) instead of
+    stopped gracefully. Ray's own detection is timed apart: until ``ray.nodes()`` says the node is dead."""
 
-    def __init__(self, cluster, every: float, down: float) -> None:
-        self.cluster, self.every, self.down = cluster, every, down
+    def __init__(self, cluster, every: float, down: float, hard: bool = False) -> None:
+        self.cluster, self.every, self.down, self.hard = cluster, every, down, hard
         self.nodes = list(cluster.worker_nodes)
         self.faults: list[float] = []
+        self.detected: list[float | None] = []
         self.adds: list[float] = []
 
+    def _watch(self, victim_id: str | None, since: float) -> str | None:
+        """The victim's id while Ray still lists it alive; None once it is seen dead."""
+        import ray
+
+        if victim_id is None:
+            return None
+        if any(n["NodeID"] == victim_id and not n["Alive"] for n in ray.nodes()):
+            self.detected[-1] = round(time.time() - since, 3)
+            return None
+        return victim_id
+
     def run(self, t0: float, duration: float, stop: threading.Event) -> None:
-        due_remove, due_add = t0 + self.every, None
+        due_remove, due_add, watching = t0 + self.every, None, None
         while time.time() < t0 + duration and not stop.is_set():
             now = time.time()
+            watching = self._watch(watching, self.faults[-1] if self.faults else now)
             if now >= due_remove and len(self.nodes) > 1:
                 victim = self.nodes.pop(0)
                 self.faults.append(time.time())
-                self.cluster.remove_node(victim)
-                print(f"  +{now - t0:6.1f} s  removed a node", flush=True)
+                self.detected.append(None)
+                self.cluster.remove_node(victim, allow_graceful=not self.hard)
+                watching = victim.node_id
+                print(f"  +{now - t0:6.1f} s  removed a node{' (SIGKILL)' if self.hard else ''}", flush=True)
                 due_remove, due_add = now + self.every, now + self.down
             if due_add is not None and now >= due_add:
                 self.nodes.append(self.cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1"))
@@ -115,7 +132,7 @@ def one_ftrt(args, work: Path) -> dict:
         t = threading.Thread(target=train, daemon=True)
         t.start()
         t0 = _wait_first(steps)
-        sched = Schedule(cluster, args.every, args.down)
+        sched = Schedule(cluster, args.every, args.down, args.hard)
         sched.run(t0, args.duration, stop)
         stop.set()
         t.join(60)
@@ -123,7 +140,8 @@ def one_ftrt(args, work: Path) -> dict:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    return {"t0": t0, "faults": sched.faults, "adds": sched.adds, "steps": _lines(steps)}
+    return {"t0": t0, "faults": sched.faults, "ray_detected_s": sched.detected, "adds": sched.adds,
+            "steps": _lines(steps)}
 
 
 def _raytrain_loop(config: dict) -> None:
@@ -198,12 +216,13 @@ def one_raytrain(args, work: Path) -> dict:
         t = threading.Thread(target=lambda: _quietly(trainer.fit), daemon=True)
         t.start()
         t0 = _wait_first(steps)
-        sched = Schedule(cluster, args.every, args.down)
+        sched = Schedule(cluster, args.every, args.down, args.hard)
         sched.run(t0, args.duration, stop)
     finally:
         ray.shutdown()
         cluster.shutdown()
-    return {"t0": t0, "faults": sched.faults, "adds": sched.adds, "steps": _lines(steps)}
+    return {"t0": t0, "faults": sched.faults, "ray_detected_s": sched.detected, "adds": sched.adds,
+            "steps": _lines(steps)}
 
 
 def _quietly(fn) -> None:
@@ -228,7 +247,8 @@ def summarize(system: str, run: dict, duration: float) -> dict:
         recoveries.append(round(nxt[0] - f, 3) if nxt else None)
     return {"system": system, "progress_steps": progress, "steps_logged": len(window),
             "fault_free_step_s": round(interval, 4), "goodput": round(progress * interval / duration, 3),
-            "recovery_s": recoveries, "worlds": sorted({x["world"] for x in window})}
+            "recovery_s": recoveries, "ray_detected_s": run.get("ray_detected_s", []),
+            "worlds": sorted({x["world"] for x in window})}
 
 
 def main(argv: list[str]) -> int:
@@ -240,6 +260,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--down", type=float, default=20.0, help="seconds until the removed node is added back")
     p.add_argument("--step-time", type=float, default=0.1, help="stand-in compute per step (s)")
     p.add_argument("--ckpt-every", type=int, default=10, help="Ray Train: a checkpoint every this many steps")
+    p.add_argument("--hard", action="store_true", help="SIGKILL the removed node's processes (default: Ray's "
+                   "graceful removal)")
     p.add_argument("--one", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--raw", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="result JSON (default bench/results/ray-<time>.json)")
@@ -255,7 +277,8 @@ def main(argv: list[str]) -> int:
     for system in systems:
         raw = Path(tempfile.mkstemp(suffix=".json")[1])
         child = ["--nodes", str(args.nodes), "--duration", str(args.duration), "--every", str(args.every),
-                 "--down", str(args.down), "--step-time", str(args.step_time), "--ckpt-every", str(args.ckpt_every)]
+                 "--down", str(args.down), "--step-time", str(args.step_time), "--ckpt-every", str(args.ckpt_every),
+                 *(["--hard"] if args.hard else [])]
         print(f"{system}: {args.duration:g} s window, a node removed every {args.every:g} s, back {args.down:g} s later",
               flush=True)
         subprocess.run([sys.executable, "-m", "bench.ray_elastic", *child, "--one", system, "--raw", str(raw)],

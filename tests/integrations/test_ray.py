@@ -151,3 +151,24 @@ def test_a_node_added_to_the_cluster_joins_at_a_step_boundary_and_trains_its_sha
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+def test_a_worker_killed_alone_is_replaced_and_gets_the_agreed_state_while_the_others_stay(cluster):
+    import os
+    import signal
+
+    with ElasticGroup(WORKER, min_nodes=1) as group:
+        before = pids(group)
+        results = [group.call("train", s, batch(s)) for s in range(3)]
+        victim = sorted(before)[2]
+        os.kill(before[victim], signal.SIGKILL)
+        # its agent starts a new worker; the round changes with the same nodes
+        wait_until(lambda: pids(group).get(victim, before[victim]) != before[victim], 120, "a new worker")
+        results += [group.call("train", s, batch(s)) for s in range(3, 6)]
+        assert [r.world_size for r in results] == [3] * 6
+        check_ledger(results, 6)
+        after = pids(group)
+        assert {n: p for n, p in after.items() if n != victim} == {n: p for n, p in before.items() if n != victim}
+        weights = group.call("weights").values
+    assert weights[0] == weights[1] == weights[2]
+    assert torch.allclose(torch.tensor(weights[0]), reference_weights(6), atol=1e-5)
