@@ -17,11 +17,14 @@ be driven from the main thread), so a removal lands wherever the job is.
   controller first tries the old world size). A node loss restarts its worker group, which
   resumes from the newest checkpoint.
 
-Measured from each run's step log (rank 0, or the driver): per fault, the seconds from the node's
-removal to the next step completed; over the window of ``--duration`` seconds after the first
-step, the steps of progress (the highest step reached: steps trained again after a rollback are
-not progress) and the goodput (that progress over what the fault-free step rate gives in the
-window). The ratio ftrt/Ray Train of progress is printed and recorded.
+Measured from each run's step log (rank 0, or the driver): per fault, the longest pause between
+step completions from the node's removal until it is added back (the stall the loss caused; a step
+in flight that completes before the survivors notice does not hide it), and from its return until
+the next removal; Ray's own detection of the node's death, apart (``ray.nodes()``); over the window
+of ``--duration`` seconds after the third step, the steps of progress (the highest step reached:
+steps trained again after a rollback are not progress) and the goodput (that progress over what
+the fault-free step rate gives in the window). The ratio ftrt/Ray Train of progress is printed and
+recorded.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.goodput import save_result
+from bench.goodput import _longest_gap, save_result
 
 BATCH = 12
 SYSTEMS = ("ftrt", "raytrain")
@@ -241,14 +244,19 @@ def summarize(system: str, run: dict, duration: float) -> dict:
     clean = [x["t"] for x in lines if x["t"] < first_fault]
     interval = statistics.median(b - a for a, b in zip(clean, clean[1:])) if len(clean) > 2 else float("nan")
     progress = max((x["step"] for x in window), default=0) - max((x["step"] for x in before), default=0)
-    recoveries = []
-    for f in run["faults"]:
-        nxt = [x["t"] for x in lines if x["t"] > f]
-        recoveries.append(round(nxt[0] - f, 3) if nxt else None)
+    ends = [x["t"] for x in lines]
+    faults, adds = run["faults"], run["adds"]
+    after_loss, after_return = [], []
+    for i, f in enumerate(faults):
+        nxt = min(faults[i + 1] if i + 1 < len(faults) else end, end)
+        back = next((a for a in adds if f < a < nxt), None)
+        after_loss.append(round(_longest_gap(ends, f, back or nxt), 3))
+        if back is not None:
+            after_return.append(round(_longest_gap(ends, back, nxt), 3))
     return {"system": system, "progress_steps": progress, "steps_logged": len(window),
             "fault_free_step_s": round(interval, 4), "goodput": round(progress * interval / duration, 3),
-            "recovery_s": recoveries, "ray_detected_s": run.get("ray_detected_s", []),
-            "worlds": sorted({x["world"] for x in window})}
+            "stall_after_loss_s": after_loss, "stall_after_return_s": after_return,
+            "ray_detected_s": run.get("ray_detected_s", []), "worlds": sorted({x["world"] for x in window})}
 
 
 def main(argv: list[str]) -> int:
