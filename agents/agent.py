@@ -358,7 +358,8 @@ class Agent:
             w = failed[0]
             detail = f"rank {w.rank} (pid {w.pid}) exited with code {w.exit_code}"
             error_file = str(Path(p.mem_dir) / "errors" / f"round-{w.round}" / f"rank-{w.rank}.json")
-            if (why := unfixable.read_note(error_file)) is not None:
+            started = w.last_heartbeat is not None or w.in_place  # it got going: the error may pass
+            if not started and (why := unfixable.read_note(error_file)) is not None:
                 await self._fail_round("failure", f"{detail}: {why}", unfixable=True)
                 return
             if cause := recorded_error(error_file):

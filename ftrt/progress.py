@@ -37,8 +37,12 @@ def bar(total: int | None, desc: str, unit: str, *, mode: Mode = "auto") -> Iter
         if b.disable:
             yield b
         else:
-            with contextlib.redirect_stdout(_AboveBar(sys.stdout)):
-                yield b
+            above = _AboveBar(sys.stdout)
+            try:
+                with contextlib.redirect_stdout(above):
+                    yield b
+            finally:
+                above.write("\n" if above.pending else "")  # a last line without its newline
     finally:
         b.close()
 
@@ -59,6 +63,11 @@ class _AboveBar(io.TextIOBase):
                 self._out.write("".join(line + "\n" for line in lines))
                 self._out.flush()
         return len(text)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a line without its newline is waiting."""
+        return bool(self._partial)
 
     def flush(self) -> None:
         self._out.flush()

@@ -10,11 +10,16 @@ of spending ``--max-restarts`` on restarts that print the same traceback again
 
 Which errors count, and why:
 
-- ``SyntaxError`` (and ``IndentationError``): the source does not parse.
+- ``SyntaxError`` (and ``IndentationError``) in a source file: it does not parse. (Code compiled at
+  run time, ``exec`` of generated code, does not count.)
 - ``ImportError`` (and ``ModuleNotFoundError``): a module or a name in it is missing; every start
   of the same code on the same node looks it up the same way.
 - ``SystemExit`` with code 2: the command-line usage error of argparse (and of ``ftrt grpo``'s
   configuration check); the arguments are the same at every start.
+
+Only before the worker got going: the agent counts a note only from a worker that has not sent a
+heartbeat or joined a round in place yet. Later the same errors (a compile cache race, a lazy import
+on a node missing a package) are restarted like any failure, so an elastic job can go on.
 
 Everything else (a crash, an OOM kill, a lost peer, an I/O error) may pass, and is restarted.
 """
@@ -40,6 +45,8 @@ def explain(exc: BaseException) -> str | None:
         return None
     if not isinstance(exc, (SyntaxError, ImportError)):
         return None
+    if isinstance(exc, SyntaxError) and not (exc.filename and os.path.isfile(exc.filename)):
+        return None  # code compiled at run time (exec, a reward function's generated code): not the script's
     text = traceback.format_exception_only(type(exc), exc)[-1].strip()
     if isinstance(exc, SyntaxError):
         return f"{text} (in {exc.filename}, line {exc.lineno})" if exc.filename else text

@@ -94,6 +94,10 @@ class Regression:
     def pid(self) -> int:
         return os.getpid()
 
+    def apply(self, fn: Any) -> Any:
+        """``fn(self)`` on the worker: the driver's own code (a lambda travels too), e.g. to inspect."""
+        return fn(self)
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ftrt.examples.ray_regression",

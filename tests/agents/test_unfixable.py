@@ -29,8 +29,12 @@ def test_import_syntax_and_usage_errors_are_unfixable_and_say_where(tmp_path):
     assert why == f"ModuleNotFoundError: No module named 'no_such_module_here' (at {tmp_path}/user_script.py, line 2)"
     why = unfixable.explain(_raised("from os import no_such_name\n", tmp_path))
     assert why.startswith("ImportError: cannot import name 'no_such_name' from 'os'") and "line 1)" in why
-    assert unfixable.explain(SyntaxError("invalid syntax", ("t.py", 3, 1, "def f(:\n"))) == \
-        "SyntaxError: invalid syntax (in t.py, line 3)"
+    broken = tmp_path / "broken.py"
+    broken.write_text("x = 1\n\ndef f(:\n    pass\n")
+    why = unfixable.explain(_raised(f"import runpy\nrunpy.run_path({str(broken)!r})\n", tmp_path))
+    assert why == f"SyntaxError: invalid syntax (in {broken}, line 3)", why
+    # code compiled at run time (a reward function's generated code) is not the script's
+    assert unfixable.explain(_raised("exec('def f(:\\n  pass')\n", tmp_path)) is None
     why = unfixable.explain(_raised("import argparse\nargparse.ArgumentParser().parse_args(['--x'])\n", tmp_path))
     assert why.startswith("a command-line usage error")
 
@@ -70,3 +74,14 @@ def test_a_script_that_cannot_run_fails_the_job_after_one_start(tmp_path, source
     assert "asking for a restart" not in res.stderr and "round 2" not in res.stderr, res.stderr[-3000:]
     # Each of the two workers ran once: the script's own error appears at most once per rank.
     assert res.stderr.count("[rank0]: Traceback") <= 1 and res.stderr.count("[rank1]: Traceback") <= 1
+
+
+def test_the_same_error_after_the_worker_got_going_is_restarted_like_any_failure(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import ftrt\nftrt.init().heartbeat(0)\nimport no_such_module_here\n")
+    res = subprocess.run(
+        [sys.executable, "-m", "ftrt.cli.main", "launch", "--standalone", "--no-warm", "--max-restarts", "1",
+         str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "asking for a restart" in res.stderr and "restart budget of 1 restarts is spent" in res.stderr
+    assert "no restart can mend" not in res.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +57,7 @@ def reference_weights(steps: int, lr: float = 0.05) -> torch.Tensor:
 def check_ledger(results: list, steps: int) -> None:
     """Each step applied once, and its samples trained once each, by the round that completed it."""
     for step, res in zip(range(steps), results):
+        assert not res.missing, f"step {step}: replies of ranks {res.missing} lost"
         trained = [v for v in res.values if not v["skipped"]]
         assert trained and {v["step"] for v in trained} == {step}
         ids = sorted(i for v in trained for i in v["ids"])
@@ -108,6 +110,10 @@ def test_a_node_removed_while_a_step_is_in_flight_costs_no_sample(cluster, tmp_p
         wait_until(lambda: len(list(hold.glob("started-*"))) == 3, 120, "every rank inside step 3")
         victim = sorted(before)[0]
         cluster.remove_node(node_of(cluster, group, victim))
+        from ftrt.procs import alive
+
+        # the victim's worker must not take part in the step: it is gone before the others go on
+        wait_until(lambda: not alive(before[victim]), 60, "the removed node's worker gone")
         (hold / "go").touch()
         t.join(300)
         assert "error" not in got, got.get("error")
@@ -120,13 +126,29 @@ def test_a_node_removed_while_a_step_is_in_flight_costs_no_sample(cluster, tmp_p
     assert torch.allclose(torch.tensor(weights[0]), reference_weights(6), atol=1e-5)
 
 
-def test_a_worker_method_that_raises_is_reported_with_its_traceback_and_the_group_goes_on(cluster):
+def test_errors_of_one_call_fail_that_call_only_and_close_leaves_nothing_running(cluster):
+    from multiprocessing.connection import AuthenticationError, Client
+
     from ftrt.integrations.ray import GroupError
+    from ftrt.procs import alive
 
     with ElasticGroup(WORKER, min_nodes=1) as group:
         with pytest.raises(GroupError, match=r"(?s)train failed on rank 0 .*steps are trained in order"):
             group.call("train", 5, batch(5))
+        # the driver's own code travels (cloudpickle); a value that cannot come back fails the call
+        assert group.call("apply", lambda w: w.step + 10).values == (9, 9, 9)
+        with pytest.raises(GroupError, match="returned a lock, which cannot be pickled"):
+            group.call("apply", lambda w: threading.Lock())
+        with pytest.raises(GroupError, match="has no attribute 'no_such_method'"):
+            group.call("no_such_method")
+        # a process without the host's key is turned away; the host serves its workers on
+        socket_path = str(Path(group.status()[0]["log"]).parent / "host.sock")
+        with pytest.raises(AuthenticationError):
+            Client(socket_path, "AF_UNIX", authkey=b"not the key")
         assert group.call("train", 0, batch(0)).world_size == 3
+        workers = [w["pid"] for st in group.status() for w in st["workers"]]
+        agents = [st["agent_pid"] for st in group.status()]
+    wait_until(lambda: not any(alive(p) for p in [*workers, *agents]), 60, "the group's processes gone")
 
 
 def test_a_node_added_to_the_cluster_joins_at_a_step_boundary_and_trains_its_share(tmp_path):

@@ -19,14 +19,16 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import pickle
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ftrt.errors import FtrtError
 from ftrt.integrations.ray import wire
-from ftrt.integrations.ray.host import HostSpec, NodeHost
+from ftrt.integrations.ray.host import HostFailed, HostSpec, NodeHost
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +42,16 @@ class GroupError(FtrtError):
 
 @dataclass(frozen=True)
 class CallResult:
-    """What one call gave: each worker's reply, and the round, world size and values of the round
-    that completed it (values in rank order)."""
+    """What one call gave: the round that completed it, its world size, and each of its ranks'
+    return value in rank order. ``missing``: ranks of that round whose reply was lost with their
+    node after they ran the call (their value is None); ``replies``: every reply, also from ranks
+    that answered in an earlier round."""
 
-    replies: tuple[wire.Reply, ...]
     round: int
     world_size: int
     values: tuple[Any, ...]
+    missing: tuple[int, ...]
+    replies: tuple[wire.Reply, ...]
 
 
 @dataclass
@@ -68,10 +73,13 @@ class ElasticGroup:
         etcd: the job's etcd (``HOST:PORT``); None starts one for the group on the driver's node
             (only where that node's address is loopback: elsewhere give a secured etcd).
         job_id: the ftrt job's id (default: a new one).
-        launch_args: more ``ftrt launch`` flags for every node's agent.
+        launch_args: more ``ftrt launch`` flags for every node's agent (default ``--lease-ttl 3``; given ones
+            replace it).
         env: more environment for the agents and workers.
         ready_timeout: seconds the group may take to start.
         node_filter: which Ray nodes get workers (default: alive nodes with a CPU).
+        etcd_access: the driver's access to a secured ``etcd`` (:class:`ftrt.store.access.EtcdAccess`):
+            the group removes a lost node's record itself.
     """
 
     worker: str
@@ -86,6 +94,7 @@ class ElasticGroup:
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout: float = 300.0
     node_filter: Any = None
+    etcd_access: Any = None
 
     def __post_init__(self) -> None:
         import ray
@@ -112,6 +121,7 @@ class ElasticGroup:
             raise GroupError(f"The Ray cluster has {len(nodes)} node(s) that can take workers; the group needs at "
                              f"least min_nodes={self.min_nodes}. Add nodes or lower min_nodes.")
         self._hosts: dict[str, _Host] = {}
+        self._dropped: list[_Host] = []
         self._seq = 0
         self._checked_at = 0.0
         self.round = 0
@@ -134,13 +144,13 @@ class ElasticGroup:
 
         ray_id = node["NodeID"]
         node_id = f"ray-{ray_id[:12]}"
+        init = wire.Init(self.worker, self._pickle((tuple(self.args), dict(self.kwargs))))
         spec = HostSpec(self.job_id, node_id, self.etcd, self.min_nodes, self.max_nodes, self.nproc_per_node,
-                        wire.Init(self.worker, tuple(self.args), dict(self.kwargs)), tuple(self.launch_args),
-                        dict(self.env))
+                        init, tuple(self.launch_args), dict(self.env))
         if self._host_cls is None:
             self._host_cls = self._ray.remote(NodeHost)  # exported once: a join costs no export
         actor = self._host_cls.options(
-            num_cpus=0, max_concurrency=16, max_restarts=0, name=f"ftrt-host-{self.job_id}-{node_id}",
+            num_cpus=0, max_concurrency=16, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray_id, soft=False)).remote(spec)
         self._hosts[ray_id] = _Host(node_id, actor)
         log.info("node host for Ray node %s (%s) started", node_id, node["NodeManagerAddress"])
@@ -157,31 +167,42 @@ class ElasticGroup:
             if node["NodeID"] not in self._hosts:
                 self._start_host(node)
 
-    def _lost(self, ray_id: str, why: Exception) -> None:
-        """A host died with its Ray node: drop its node from the job at once (its record in etcd),
-        instead of waiting for its lease to run out."""
+    def _lost(self, ray_id: str, why: str) -> None:
+        """A host died with its Ray node, or its agent exited: drop the host, and its node from the
+        job at once (its record in etcd) instead of waiting for its lease to run out."""
         host = self._hosts.pop(ray_id)
-        log.warning("Ray node %s is gone (%s); the group goes on without it", host.node_id, type(why).__name__)
+        self._dropped.append(host)
+        log.warning("node %s left the group (%s); the group goes on without it", host.node_id, why)
         from ftrt.jobkeys import JobKeys
         from ftrt.store.etcd import EtcdStore
 
         async def drop() -> None:
-            store = EtcdStore(self.etcd, timeout=5.0)
+            store = EtcdStore(self.etcd, timeout=5.0, **({"access": self.etcd_access} if self.etcd_access else {}))
             try:
                 await store.delete(JobKeys(self.job_id).node(host.node_id))
             finally:
                 await store.close()
 
-        try:
-            asyncio.run(drop())
-        except FtrtError as exc:
-            log.warning("could not drop node %s from etcd (%s); its lease runs out instead", host.node_id, exc)
+        def run() -> None:  # in a thread of its own: the driver may run an event loop itself
+            try:
+                asyncio.run(drop())
+            except FtrtError as exc:
+                log.warning("could not drop node %s from etcd (%s); its lease runs out instead", host.node_id, exc)
+
+        t = threading.Thread(target=run, name="ftrt-drop-node")
+        t.start()
+        t.join()
 
     def _wait_in_job(self, hosts: int) -> None:
         """Block until ``hosts`` hosts' workers are all in one round (or fail with their agents' words)."""
         deadline = time.monotonic() + self.ready_timeout
         while True:
-            states = self._ray.get([h.actor.status.remote() for h in self._hosts.values()])
+            try:
+                states = self._ray.get([h.actor.status.remote() for h in self._hosts.values()],
+                                       timeout=max(1.0, deadline - time.monotonic()))
+            except self._ray.exceptions.GetTimeoutError:
+                raise GroupError(f"The group's node hosts did not start within {self.ready_timeout:g} s "
+                                 "(ready_timeout); see the Ray cluster's state (ray status).") from None
             for st in states:
                 if st["agent_exit"] is not None:
                     tail = self._ray.get(next(h.actor for h in self._hosts.values()
@@ -213,9 +234,11 @@ class ElasticGroup:
             raise GroupError("Every node of the group is gone.")
         self._seq += 1
         seq = self._seq
-        pending = {self._hosts[rid].actor.call.remote(seq, method, args, kwargs): rid for rid in self._hosts}
+        payload = self._pickle((args, kwargs))
+        pending = {self._hosts[rid].actor.call.remote(seq, method, payload): rid for rid in self._hosts}
         replies: list[wire.Reply] = []
         cancelled = False
+        asked_again: set[str] = set()
         while pending:
             if not any(self._hosts[r].in_job for r in pending.values()):
                 # Every host in the job has answered. A joining host's workers ran the call only if
@@ -231,8 +254,18 @@ class ElasticGroup:
             rid = pending.pop(ref)
             try:
                 got = self._ray.get(ref)
+            except self._ray.exceptions.ActorUnavailableError:
+                if rid in asked_again:  # unreachable twice: taken for gone
+                    self._lost(rid, "its host stayed unreachable")
+                    continue
+                asked_again.add(rid)  # for a moment (Ray restarts a connection): ask it again
+                pending[self._hosts[rid].actor.call.remote(seq, method, payload)] = rid
+                continue
             except self._ray.exceptions.RayActorError as exc:
-                self._lost(rid, exc)
+                self._lost(rid, f"its host died: {type(exc).__name__}")
+                continue
+            except HostFailed as exc:
+                self._lost(rid, str(exc).splitlines()[0])
                 continue
             if got and rid in self._hosts:
                 self._hosts[rid].in_job = True
@@ -242,11 +275,30 @@ class ElasticGroup:
             first = min(failed, key=lambda r: r.place.rank)
             raise GroupError(f"{method} failed on rank {first.place.rank} (pid {first.pid}):\n{first.error}")
         if not replies:
-            raise GroupError(f"No worker ran {method}: every node of the group is gone.")
+            raise GroupError(f"No worker ran {method}: every node of the group is gone"
+                             + (f" ({self._why_gone()})" if self._dropped else "") + ".")
         last = max(r.place.round for r in replies)
-        final = sorted((r for r in replies if r.place.round == last), key=lambda r: r.place.rank)
-        self.round, self.world_size = last, final[0].place.world_size
-        return CallResult(tuple(replies), last, self.world_size, tuple(r.value for r in final))
+        final = {r.place.rank: r for r in replies if r.place.round == last}
+        world = next(iter(final.values())).place.world_size
+        self.round, self.world_size = last, world
+        values = tuple(pickle.loads(final[k].value) if k in final else None for k in range(world))
+        missing = tuple(k for k in range(world) if k not in final)
+        if missing:
+            log.warning("call %s: the replies of rank(s) %s of round %d were lost with their node", method,
+                        list(missing), last)
+        return CallResult(last, world, values, missing, tuple(replies))
+
+    def _pickle(self, value: Any) -> bytes:
+        """``value`` as the workers receive it (cloudpickle: what Ray itself can carry)."""
+        from ray import cloudpickle
+
+        try:
+            return cloudpickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - say which value, in one line
+            raise GroupError(f"The group cannot send {type(value).__name__} {value!r:.200}: {exc}") from None
+
+    def _why_gone(self) -> str:
+        return f"dropped: {', '.join(h.node_id for h in self._dropped)}"
 
     def status(self) -> list[dict]:
         """Each host's status (:meth:`NodeHost.status`)."""
@@ -255,16 +307,20 @@ class ElasticGroup:
     def close(self, timeout: float = 60.0) -> None:
         """Finish the workers, end the job and stop the hosts (and the group's own etcd)."""
         hosts = getattr(self, "_hosts", {})
-        if hosts:
-            stops = [h.actor.stop.remote(timeout) for h in hosts.values()]
-            for ref in stops:
-                try:
-                    self._ray.get(ref)
-                except self._ray.exceptions.RayActorError:
-                    pass
-            for h in hosts.values():
+        stops = [h.actor.stop.remote(timeout) for h in hosts.values()]
+        for ref in stops:
+            try:
+                self._ray.get(ref, timeout=timeout + 10)
+            except Exception as exc:  # noqa: BLE001 - a host that cannot stop is killed below
+                log.warning("a node host did not stop cleanly: %s", str(exc).splitlines()[0] if str(exc) else exc)
+        for h in [*hosts.values(), *getattr(self, "_dropped", [])]:
+            try:
                 self._ray.kill(h.actor)
-            hosts.clear()
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+        hosts.clear()
+        if getattr(self, "_dropped", None):
+            self._dropped.clear()
         if self._etcd_server is not None:
             self._etcd_server.stop()
             self._etcd_server = None

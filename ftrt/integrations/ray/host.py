@@ -20,13 +20,15 @@ the agent's children rely on fires when the host's process dies, and only then.
 from __future__ import annotations
 
 import os
+import queue
 import secrets
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
 from ftrt import envnames, tmpdirs
@@ -62,9 +64,15 @@ class HostSpec:
                 "-m", "ftrt.integrations.ray.worker"]
 
 
+HANDSHAKE_S = 30.0
+"""How long a worker that proved the key may take to say who it is."""
+
+
 @dataclass
 class _Link:
-    """One worker's connection."""
+    """One worker's connection. What goes to the worker is queued and sent by a thread of its own,
+    never under the host's lock: a worker busy in a collective does not read, and a large call
+    must not stop the host meanwhile."""
 
     conn: Connection
     local_rank: int
@@ -74,6 +82,7 @@ class _Link:
     alive: bool = True
     sent: set[int] = field(default_factory=set)
     replies: dict[int, wire.Reply] = field(default_factory=dict)
+    outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
 
 class NodeHost:
@@ -85,10 +94,19 @@ class NodeHost:
         self.dir = tmpdirs.owned_dir("ftrt-ray-")  # removed by the next host here if this one is killed
         self.log_path = os.path.join(self.dir, "agent.log")
         key = secrets.token_bytes(wire.AUTH_BYTES)
-        self.listener = Listener(os.path.join(self.dir, "host.sock"), "AF_UNIX", authkey=key)
+        self._key = key
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(os.path.join(self.dir, "host.sock"))  # in a 0700 folder
+        self._server.listen(64)
         self._cond = threading.Condition()
         self._links: dict[int, _Link] = {}
+        """The newest connection of each local rank."""
+        self._every: list[_Link] = []
+        """Every connection, also those replaced or closed (a reply they gave still counts)."""
         self._current: wire.Call | None = None
+        self._latest = 0
+        """The newest call seen: an older one arriving late (Ray does not order a threaded actor's
+        calls) was given up by the driver already."""
         self._cancelled: set[int] = set()
         self._agent_code: int | None = None
         self._closing = False
@@ -102,11 +120,18 @@ class NodeHost:
 
     # -- the agent ------------------------------------------------------------------------------
     def _run_agent(self, env: dict[str, str], started: threading.Event) -> None:
-        with open(self.log_path, "ab") as log:
-            self._agent = subprocess.Popen(dying_with_this_process(self.spec.command()), env=env, stdout=log,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd())
+        code = -1
+        try:
+            with open(self.log_path, "ab") as log:
+                self._agent = subprocess.Popen(dying_with_this_process(self.spec.command()), env=env, stdout=log,
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd())
+                started.set()
+                code = self._agent.wait()  # this thread lives as long as the agent (its parent-death signal)
+        except OSError as exc:
+            with open(self.log_path, "a") as log:
+                log.write(f"ftrt: could not start the agent: {exc}\n")
+        finally:
             started.set()
-            code = self._agent.wait()  # this thread lives as long as the agent (its parent-death signal)
         with self._cond:
             self._agent_code = code
             self._cond.notify_all()
@@ -129,19 +154,24 @@ class NodeHost:
     def _accept(self) -> None:
         while not self._closing:
             try:
-                conn = self.listener.accept()  # authenticated before anything is unpickled
+                sock, _ = self._server.accept()  # the handshake runs in the link's own thread
             except OSError:
                 if self._closing:
                     return
-                continue  # a peer without the key, or one that went away
-            threading.Thread(target=self._serve_link, args=(conn,), name="ftrt-link", daemon=True).start()
+                continue
+            threading.Thread(target=self._serve_link, args=(sock,), name="ftrt-link", daemon=True).start()
 
-    def _serve_link(self, conn: Connection) -> None:
+    def _serve_link(self, sock) -> None:
+        conn = Connection(sock.detach())  # a peer that stalls the handshake holds only this thread
         try:
+            deliver_challenge(conn, self._key)  # authenticated both ways before anything is unpickled
+            answer_challenge(conn, self._key)
+            if not conn.poll(HANDSHAKE_S):
+                raise TimeoutError("no hello")
             hello = conn.recv()
-        except (EOFError, OSError):
-            return
-        if not isinstance(hello, wire.Hello):
+            if not isinstance(hello, wire.Hello):
+                raise ValueError(f"a {type(hello).__name__} instead of a hello")
+        except Exception:  # noqa: BLE001 - a peer without the key, a dead or silent one: only it is turned away
             conn.close()
             return
         link = _Link(conn, hello.local_rank, hello.pid)
@@ -150,50 +180,70 @@ class NodeHost:
             if old is not None:
                 old.alive = False  # replaced (the agent restarted that worker)
             self._links[hello.local_rank] = link
-            conn.send(self.spec.init)
+            self._every.append(link)
+        threading.Thread(target=self._sender, args=(link,), name="ftrt-send", daemon=True).start()
+        link.outbox.put(self.spec.init)
         while True:
             try:
                 message = conn.recv()
-            except (EOFError, OSError):
+            except Exception:  # noqa: BLE001 - closed, or a message that cannot be read: the link is over
                 break
             with self._cond:
                 if isinstance(message, wire.Ready):
                     link.ready, link.place = True, message.place
                     call = self._current
-                    if call is not None and call.seq not in self._cancelled and call.seq not in link.sent:
+                    if call is not None and call.seq not in self._cancelled:
                         self._send(link, call)  # its peers run the call in a round that includes it
                 elif isinstance(message, wire.Reply):
                     link.replies[message.seq] = message
                     link.place = message.place
                 self._cond.notify_all()
+        self._close_link(link)
+
+    def _sender(self, link: _Link) -> None:
+        while (message := link.outbox.get()) is not None:
+            try:
+                link.conn.send(message)
+            except Exception:  # noqa: BLE001 - the worker is gone (its exit is the agent's to handle)
+                self._close_link(link)
+                return
+
+    def _close_link(self, link: _Link) -> None:
         with self._cond:
-            link.alive = False
+            if link.alive:
+                link.alive = False
+                link.outbox.put(None)
             self._cond.notify_all()
 
     def _send(self, link: _Link, call: wire.Call) -> None:
-        try:
-            link.conn.send(call)
+        """Queue ``call`` for ``link`` once (under the lock)."""
+        if link.alive and call.seq not in link.sent:
             link.sent.add(call.seq)
-        except OSError:
-            link.alive = False
+            link.outbox.put(call)
 
     # -- the driver's side ----------------------------------------------------------------------
-    def call(self, seq: int, method: str, args: tuple = (), kwargs: dict | None = None) -> list[wire.Reply]:
-        """Run the call on every worker of this node that is in the job; their replies. Held while
-        none is (see the module docstring)."""
-        call = wire.Call(seq, method, tuple(args), dict(kwargs or {}))
+    def call(self, seq: int, method: str, payload: bytes) -> list[wire.Reply]:
+        """Run the call on every worker of this node that is in the job; their replies (also of a
+        worker that answered and then went). Held while none is (see the module docstring)."""
+        call = wire.Call(seq, method, payload)
         with self._cond:
+            if seq <= self._latest:
+                return []  # given up by the driver before it arrived
+            self._latest = seq
             self._current = call
+            self._every = [lk for lk in self._every if lk.alive]
             for link in self._links.values():
-                if link.alive and link.ready:
+                if link.ready:
                     self._send(link, call)
             try:
                 while True:
-                    running = [lk for lk in self._links.values() if lk.alive and seq in lk.sent]
-                    if running and all(seq in lk.replies for lk in running):
-                        return [lk.replies.pop(seq) for lk in running]
-                    if not running and seq in self._cancelled:
-                        return []
+                    got = [lk for lk in self._every if seq in lk.sent]
+                    waiting = [lk for lk in got if lk.alive and seq not in lk.replies]
+                    answered = [lk for lk in got if seq in lk.replies]
+                    if answered and not waiting:
+                        return [lk.replies.pop(seq) for lk in answered]
+                    if not waiting and seq in self._cancelled:
+                        return [lk.replies.pop(seq) for lk in answered]
                     if self._agent_code is not None:
                         raise self._failed()
                     self._cond.wait(0.5)
@@ -207,6 +257,7 @@ class NodeHost:
         them has it already."""
         with self._cond:
             self._cancelled.add(seq)
+            self._latest = max(self._latest, seq)  # a call(seq) that arrives after this is not run
             self._cond.notify_all()
 
     def status(self) -> dict[str, Any]:
@@ -224,16 +275,13 @@ class NodeHost:
             self._closing = True
             for link in self._links.values():
                 if link.alive:
-                    try:
-                        link.conn.send(wire.Stop())
-                    except OSError:
-                        pass
+                    link.outbox.put(wire.Stop())
             deadline = time.monotonic() + timeout
             while self._agent_code is None and time.monotonic() < deadline:
                 self._cond.wait(0.5)
             code = self._agent_code
         if code is None and self._agent is not None:
             self._agent.kill()
-        self.listener.close()
+        self._server.close()
         tmpdirs.remove(self.dir)
         return code

@@ -4,9 +4,11 @@
 They travel over a :mod:`multiprocessing.connection` Unix socket in the host's private folder
 (mode 0700). The connection authenticates both ends with the host's key (an HMAC challenge, before
 either side unpickles anything); the key reaches the workers in their environment through the
-node's agent, so only processes the host started can talk to it. Calls carry whatever the driver
-passed (pickled, as Ray itself does between the driver and the host); nothing crosses machines on
-this socket.
+node's agent, so only processes the host started can talk to it. What the driver passes and what
+the methods return travel as opaque ``payload`` bytes (cloudpickled by the driver, as Ray itself
+does; pickled by the worker): the host forwards them without reading them, so any value Ray can
+carry reaches the worker, and one that cannot be pickled fails its call, not the host. Nothing
+crosses machines on this socket.
 
 Order of a worker's life: :class:`Hello` -> (host) :class:`Init` -> :class:`Ready` once its group is
 up -> then, per call, (host) :class:`Call` -> :class:`Reply`; :class:`Stop` ends it.
@@ -14,8 +16,7 @@ up -> then, per call, (host) :class:`Call` -> :class:`Reply`; :class:`Stop` ends
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,11 @@ class Hello:
 
 @dataclass(frozen=True)
 class Init:
-    """How the worker builds the group's worker object: ``target`` is ``module:Class``."""
+    """How the worker builds the group's worker object: ``target`` is ``module:Class``; ``payload``
+    the pickled ``(args, kwargs)``."""
 
     target: str
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
+    payload: bytes
 
 
 @dataclass(frozen=True)
@@ -56,25 +57,25 @@ class Ready:
 
 @dataclass(frozen=True)
 class Call:
-    """Run ``method(*args, **kwargs)`` on the worker object; ``seq`` names the call."""
+    """Run ``method(*args, **kwargs)`` on the worker object, ``payload`` the pickled ``(args,
+    kwargs)``; ``seq`` names the call (the driver's calls have increasing numbers)."""
 
     seq: int
     method: str
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
+    payload: bytes
 
 
 @dataclass(frozen=True)
 class Reply:
-    """What call ``seq`` gave on one worker, and where the worker ran it: ``value`` when ``ok``,
-    else ``error`` (the exception's traceback, as text)."""
+    """What call ``seq`` gave on one worker, and where the worker ran it: ``value`` (the pickled
+    return value) when ``ok``, else ``error`` (the exception's traceback, as text)."""
 
     seq: int
     local_rank: int
     pid: int
     place: Place
     ok: bool
-    value: Any = None
+    value: bytes = b""
     error: str = ""
 
 

@@ -6,7 +6,8 @@ It connects to its node host (:mod:`~ftrt.integrations.ray.host`), builds the gr
 workers are warm when they are admitted, then joins the round's process group
 (:meth:`ftrt.Runtime.init_process_group`: the worker changes rounds in place) and serves calls.
 
-A round change never restarts it. Between calls it takes a new round within
+It heartbeats to its agent between calls and after each, so ``--hang-timeout`` judges the methods
+only. A round change never restarts it. Between calls it takes a new round within
 :data:`IDLE_POLL_S`; in a call, a collective that fails because a peer died, or a round waiting at
 the call's start, ends the attempt in :class:`ftrt.WorldChanged`: the worker takes the round and
 runs the call again at the new world size. Each time it enters a round, including its first, it
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import sys
+import time
 import traceback
 from multiprocessing.connection import Client, Connection
 from typing import Any
@@ -31,6 +34,9 @@ from ftrt.integrations.ray import wire
 
 IDLE_POLL_S = 0.1
 """How often an idle worker looks for a new round between calls."""
+HEARTBEAT_S = 1.0
+"""How often an idle worker tells its agent it is alive. A method that runs longer than the agent's
+``--hang-timeout`` is taken for a hang: give the group's ``launch_args`` a larger one for long calls."""
 
 
 def load_target(target: str) -> type:
@@ -52,6 +58,8 @@ class Worker:
         self.rt = rt
         self.conn = conn
         self.obj = obj
+        self.calls = 0
+        """Calls answered (the heartbeats' step)."""
 
     def place(self) -> wire.Place:
         return wire.Place(self.rt.round, self.rt.rank, self.rt.world_size)
@@ -77,18 +85,36 @@ class Worker:
     def run(self, call: wire.Call) -> wire.Reply:
         """Run ``call``, again in each new round until it completes or fails on its own."""
         local_rank, pid = self.rt.local_rank, os.getpid()
+
+        def failed(error: str) -> wire.Reply:
+            return wire.Reply(call.seq, local_rank, pid, self.place(), False, error=error)
+
+        try:
+            args, kwargs = pickle.loads(call.payload)
+            method = getattr(self.obj, call.method)
+        except Exception:  # noqa: BLE001 - the driver hears why, the worker serves on
+            return failed(traceback.format_exc())
         while True:
             try:
                 with self.rt.step():
-                    value = getattr(self.obj, call.method)(*call.args, **call.kwargs)
-                return wire.Reply(call.seq, local_rank, pid, self.place(), True, value)
+                    value = method(*args, **kwargs)
+                break
             except WorldChanged:
                 self.enter_round()
             except Exception:  # noqa: BLE001 - the driver gets the method's error, the worker serves on
-                return wire.Reply(call.seq, local_rank, pid, self.place(), False, error=traceback.format_exc())
+                return failed(traceback.format_exc())
+        try:
+            payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - a value that cannot travel fails the call, not the worker
+            return failed(f"{call.method} returned a {type(value).__name__}, which cannot be pickled: {exc}")
+        return wire.Reply(call.seq, local_rank, pid, self.place(), True, payload)
 
     def serve(self) -> None:
+        beat = 0.0
         while True:
+            if time.monotonic() - beat >= HEARTBEAT_S:  # idle is not hung: the driver may be busy
+                self.rt.heartbeat(self.calls)
+                beat = time.monotonic()
             if self.conn.poll(IDLE_POLL_S):
                 try:
                     message = self.conn.recv()
@@ -97,7 +123,11 @@ class Worker:
                 if isinstance(message, wire.Stop):
                     return
                 if isinstance(message, wire.Call):
-                    self.conn.send(self.run(message))
+                    reply = self.run(message)
+                    self.calls += 1
+                    self.rt.heartbeat(self.calls)
+                    beat = time.monotonic()
+                    self.conn.send(reply)
             elif self.rt.world_changed():
                 self.enter_round()
 
@@ -115,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     conn = Client(path, "AF_UNIX", authkey=bytes.fromhex(key))
     conn.send(wire.Hello(rt.local_rank, os.getpid()))
     init = conn.recv()
-    obj = load_target(init.target)(*init.args, **init.kwargs)  # before the group: warm when admitted
+    args, kwargs = pickle.loads(init.payload)
+    obj = load_target(init.target)(*args, **kwargs)  # before the group: warm when admitted
     backend = "nccl" if _cuda() else "gloo"
     rt.init_process_group(backend)
     worker = Worker(rt, conn, obj)
