@@ -287,8 +287,8 @@ def main(argv: list[str]) -> int:
         child = ["--nodes", str(args.nodes), "--duration", str(args.duration), "--every", str(args.every),
                  "--down", str(args.down), "--step-time", str(args.step_time), "--ckpt-every", str(args.ckpt_every),
                  *(["--hard"] if args.hard else [])]
-        print(f"{system}: {args.duration:g} s window, a node removed every {args.every:g} s, back {args.down:g} s later",
-              flush=True)
+        print(f"{system}: {args.duration:g} s window, a node removed every {args.every:g} s, "
+              f"back {args.down:g} s later", flush=True)
         subprocess.run([sys.executable, "-m", "bench.ray_elastic", *child, "--one", system, "--raw", str(raw)],
                        check=True)
         row = summarize(system, json.loads(raw.read_text()), args.duration)
