@@ -148,52 +148,35 @@ def one_ftrt(args, work: Path) -> dict:
 
 
 def _raytrain_loop(config: dict) -> None:
+    """Ray Train's side: the very worker ftrt's group runs (its ``train`` reads the rank and world
+    size from Ray Train's process group), checkpointed every ``ckpt_every`` steps."""
     import torch
-    import torch.distributed as dist
     import ray.train
     from ray.train import Checkpoint
 
-    from ftrt.examples.ray_regression import DIM, sample
+    from ftrt.examples.ray_regression import Regression
 
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(DIM, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    start = 0
+    worker = Regression(step_time=config["step_time"])
+    rank = ray.train.get_context().get_world_rank()
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
             state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
-        model.load_state_dict(state["model"])
-        start = int(state["step"]) + 1
-    step = start
+        worker.model.load_state_dict(state["model"])
+        worker.step = int(state["step"])
     while True:
-        ids = _batch(step)
-        x, y = sample(ids[rank::world])
-        time.sleep(config["step_time"])
-        opt.zero_grad()
-        loss = ((model(x) - y) ** 2).sum()
-        loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        dist.all_reduce(flat)
-        flat /= len(ids)
-        offset = 0
-        for p in model.parameters():
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        opt.step()
+        step = worker.step + 1
+        done = worker.train(step, _batch(step))
         if rank == 0:
             with open(config["steps"], "a") as f:
-                f.write(json.dumps({"step": step, "t": time.time(), "world": world}) + "\n")
+                f.write(json.dumps({"step": step, "t": time.time(), "world": done["world"]}) + "\n")
         if (step + 1) % config["ckpt_every"] == 0:
             if rank == 0:
                 d = tempfile.mkdtemp()
-                torch.save({"model": model.state_dict(), "step": step}, os.path.join(d, "state.pt"))
+                torch.save({"model": worker.model.state_dict(), "step": step}, os.path.join(d, "state.pt"))
                 ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(d))
             else:
                 ray.train.report({"step": step})
-        step += 1
 
 
 def one_raytrain(args, work: Path) -> dict:

@@ -49,7 +49,7 @@ def explain(exc: BaseException) -> str | None:
         return None  # code compiled at run time (exec, a reward function's generated code): not the script's
     text = traceback.format_exception_only(type(exc), exc)[-1].strip()
     if isinstance(exc, SyntaxError):
-        return f"{text} (in {exc.filename}, line {exc.lineno})" if exc.filename else text
+        return f"{text} (in {exc.filename}, line {exc.lineno})"
     where = _raised_at(exc)
     return f"{text} ({where})" if where else text
 

@@ -203,10 +203,9 @@ class ElasticGroup:
             except self._ray.exceptions.GetTimeoutError:
                 raise GroupError(f"The group's node hosts did not start within {self.ready_timeout:g} s "
                                  "(ready_timeout); see the Ray cluster's state (ray status).") from None
-            for st in states:
+            for host, st in zip(self._hosts.values(), states):
                 if st["agent_exit"] is not None:
-                    tail = self._ray.get(next(h.actor for h in self._hosts.values()
-                                              if h.node_id == st["node_id"]).log_tail.remote())
+                    tail = self._ray.get(host.actor.log_tail.remote())
                     raise GroupError(f"The ftrt agent of node {st['node_id']} exited with code {st['agent_exit']} "
                                      f"while the group started; its last lines:\n{tail}")
             places = [w["place"] for st in states for w in st["workers"] if w["ready"]]
