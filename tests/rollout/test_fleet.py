@@ -21,7 +21,9 @@ from tests.agents.harness import FAST_WARM, Node
 from tests.rollout.fleetkit import (Server, exact, fleet_config, freeze_holding_groups, lines, stop_all, trainer,
                                    wait_registered, wait_steps, wait_until)
 
-pytestmark = pytest.mark.slow
+# Whole trainer runs (the reference and the faulted one, 160 steps each) on a busy machine: the
+# default 120 s covers neither the fixture plus the test nor the waits inside (`t.wait(240)`).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 STEPS = 160
 CONFIG = [f"steps={STEPS}", "prompts_per_step=8", "group_size=4", "model.d_model=32", "model.n_layers=1",
