@@ -30,9 +30,9 @@ def new_bar(total: int | None, desc: str, unit: str, *, mode: Mode = "auto", ini
 
 
 @contextlib.contextmanager
-def bar(total: int | None, desc: str, unit: str, *, mode: Mode = "auto") -> Iterator[tqdm]:
+def bar(total: int | None, desc: str, unit: str, *, mode: Mode = "auto", initial: int = 0) -> Iterator[tqdm]:
     """:func:`new_bar` for the block, closed after it; lines printed meanwhile go above it."""
-    b = new_bar(total, desc, unit, mode=mode)
+    b = new_bar(total, desc, unit, mode=mode, initial=initial)
     try:
         if b.disable:
             yield b

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ftrt.checkpoint.storage import is_storage_error, parse_url, read_bytes, storage_problem, write_bytes
+from ftrt.checkpoint.storage import is_storage_error, list_steps, parse_url, read_bytes, storage_problem, write_bytes
 from ftrt.errors import ConfigError
 from ftrt.grpo.config import GRPOConfig
 
@@ -97,3 +97,21 @@ def record(cfg: GRPOConfig) -> None:
     if loc.is_local:
         loc.fs.makedirs(loc.root, exist_ok=True)
     write_bytes(loc, loc.path(FILE), json.dumps({"fields": training_fields(cfg)}, indent=1, sort_keys=True).encode())
+
+
+def check_before_start(cfg: GRPOConfig) -> None:
+    """:func:`check` against what ``checkpoint.url`` holds now (every rank of ``ftrt launch -m ftrt.grpo``
+    before it builds anything; the Ray driver before it starts its group)."""
+    check(cfg, bool(list_steps(parse_url(cfg.checkpoint.url, cfg.checkpoint.storage_options))))
+
+
+def record_once_started(cfg: GRPOConfig) -> None:
+    """Write this run's training fields beside its checkpoints when none are there or other ones are
+    (``resume=force`` let them pass, which is said here), once the run knows where it starts."""
+    saved, now = saved_fields(cfg), training_fields(cfg)
+    if saved == now:
+        return
+    if saved is not None:
+        print(f"[ftrt.grpo] resume=force: going on from checkpoints written with another configuration: "
+              f"{'; '.join(differences(saved, now))}", flush=True)
+    record(cfg)

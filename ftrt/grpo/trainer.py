@@ -38,10 +38,10 @@ from ftrt import _diag, progress
 from ftrt.grpo.checkpointing import Cadences, SaveDecision, Saves, decide_save
 from ftrt.grpo import runconfig
 from ftrt.grpo.config import GRPOConfig
-from ftrt.grpo.loss import aggregate, clipped_surrogate, group_advantages, k3_kl
+from ftrt.grpo.loss import group_advantages, policy_loss
 from ftrt.grpo.salvage import Redo, Salvage, agree_on_redo, claim, rows_to_compute, shard
 from ftrt.policy.model import param_count
-from ftrt.policy.sample import Batch, token_logps
+from ftrt.policy.sample import Batch
 from ftrt.grpo.sampling import FleetSampling, LocalSampling
 from ftrt.policy.setting import build_setting
 from ftrt.policy.tasks import Task, TokenizerVocab, Vocab
@@ -251,7 +251,7 @@ class _Step:
 def train(cfg: GRPOConfig) -> dict[str, Any]:
     """Run (or resume) the configured GRPO job; return rank 0's summary (others: a partial one)."""
     if cfg.checkpoint.url:
-        _check_run_config(cfg)
+        runconfig.check_before_start(cfg)
     run = _setup(cfg)
     t_start = time.perf_counter()
     rewards: list[float] = []
@@ -263,27 +263,6 @@ def train(cfg: GRPOConfig) -> dict[str, Any]:
     if not ended_for_round:
         run.rt.done()  # what follows (the summary, destroying the process group) is teardown, not a hang
     return _finish(run, rnd, rewards, time.perf_counter() - t_start, ended_for_round)
-
-
-def _check_run_config(cfg: GRPOConfig) -> None:
-    """Refuse to resume checkpoints written under other training fields (:mod:`ftrt.grpo.runconfig`),
-    unless ``resume=force`` (every rank, before it builds anything; rank 0 records the fields once
-    its round is known, in :func:`_restore`)."""
-    from ftrt.checkpoint.storage import list_steps, parse_url
-
-    runconfig.check(cfg, bool(list_steps(parse_url(cfg.checkpoint.url, cfg.checkpoint.storage_options))))
-
-
-def _record_run_config(cfg: GRPOConfig) -> None:
-    """Rank 0: write this run's training fields beside its checkpoints when none are there or
-    other ones are (``resume=force`` let them pass, which is said here)."""
-    saved, now = runconfig.saved_fields(cfg), runconfig.training_fields(cfg)
-    if saved == now:
-        return
-    if saved is not None:
-        print(f"[ftrt.grpo] resume=force: going on from checkpoints written with another configuration: "
-              f"{'; '.join(runconfig.differences(saved, now))}", flush=True)
-    runconfig.record(cfg)
 
 
 def _loop(run: _Run, rnd: _Round, rewards: list[float]) -> tuple[bool, _Round]:
@@ -523,7 +502,7 @@ def _restore(run: _Run, ck: Checkpointer | None, cadence: Cadences, metrics: Met
     if rank != 0:
         return
     if ck is not None:
-        _record_run_config(cfg)
+        runconfig.record_once_started(cfg)
     dropped = metrics.rewind(tr["step"])
     if restored is not None:
         tr["redone"] += dropped
@@ -645,20 +624,14 @@ def _update(run: _Run, rnd: _Round, batch: Batch, total_tokens: float, total_seq
         if kept is None:
             run.opt.zero_grad(set_to_none=False)
         if mask.shape[0]:
-            logp = token_logps(run.model, sequences, run.prompt_len, cfg.temperature)
-            old = logp.detach() if old is None else old
-            per_token = clipped_surrogate(logp, old, adv, cfg.clip_eps_low, cfg.clip_eps_high)
+            pl = policy_loss(cfg, run.model, run.ref, sequences, mask, adv, prompt_len=run.prompt_len,
+                             max_len=run.max_new, total_tokens=total_tokens, total_seqs=total_seqs, old_logp=old,
+                             ref_logp=ref_logp)
+            old, ref_logp = pl.old_logp, pl.ref_logp
             if run.ref is not None:
-                if ref_logp is None:
-                    with torch.no_grad():
-                        ref_logp = token_logps(run.ref, sequences, run.prompt_len, cfg.temperature)
-                kl = k3_kl(logp, ref_logp)
-                per_token = per_token + cfg.kl_beta * kl
-                kl_sum = float((kl.detach() * mask).sum())
-            loss = aggregate(per_token, mask, cfg.loss_agg, total_tokens=total_tokens,
-                             total_seqs=total_seqs, max_len=run.max_new)
-            loss.backward()
-            loss_value = float(loss.detach())
+                kl_sum = pl.kl_sum
+            pl.loss.backward()
+            loss_value = float(pl.loss.detach())
         if kept is not None:
             loss_value, kl_sum = kept.loss + loss_value, kept.kl + kl_sum
         for p in params:
