@@ -19,6 +19,7 @@ NAMES = {
     "recovery": "bench.recovery", "ckpt_stall": "bench.ckpt_stall", "restore": "bench.restore",
     "rollout": "bench.rollout", "rollout_fleet": "bench.rollout_fleet",
     "trainers": "bench.trainers", "memsave": "bench.memsave", "ray": "bench.ray_elastic",
+    "monarch": "bench.monarch_loss",
 }
 QUICK: dict[str, list[str]] = {
     "rdzv_scale": ["--sizes", "16,64,256", "--torchrun-sizes", "16,64", "--c10d", "best", "--cap", "30"],
@@ -32,6 +33,7 @@ QUICK: dict[str, list[str]] = {
     "trainers": ["--reps", "1", "--steps", "25"],
     "memsave": ["--saves", "50"],
     "ray": ["--duration", "100", "--every", "45", "--down", "15"],
+    "monarch": ["--trials", "2"],
 }
 """Each benchmark's settings in ``all``."""
 

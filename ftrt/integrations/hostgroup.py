@@ -62,9 +62,11 @@ class CallResult:
 
 @dataclass(frozen=True)
 class Node:
-    """A node a host may run on: the placement's key for it, and an address for log lines."""
+    """A node a host may run on: the placement's key for it, its name in the ftrt job, and an
+    address for log lines."""
 
     key: str
+    name: str
     address: str
 
 
@@ -100,6 +102,9 @@ class Placement(Protocol):
 
     def kill(self, actor: Any) -> None:
         """Stop ``actor`` for good (it may be gone already)."""
+
+    def forget(self, node: Node) -> None:
+        """``node`` left the group: offer it no more (a node that comes back is offered anew)."""
 
 
 @dataclass
@@ -188,7 +193,7 @@ class HostGroup:
 
     # -- nodes ----------------------------------------------------------------------------------
     def _start_host(self, node: Node) -> None:
-        node_id = f"ray-{node.key[:12]}"
+        node_id = node.name
         init = wire.Init(self.worker, self._pickle((tuple(self.args), dict(self.kwargs))))
         spec = HostSpec(self.job_id, node_id, self.etcd, self.min_nodes, self.max_nodes, self.nproc_per_node,
                         init, tuple(self.launch_args), dict(self.env))
@@ -221,6 +226,7 @@ class HostGroup:
         job at once (its record in etcd) instead of waiting for its lease to run out."""
         host = self._hosts.pop(key)
         self._dropped.append(host)
+        self.placement.forget(host.node)
         log.warning("node %s left the group (%s); the group goes on without it", host.node_id, why)
         from ftrt.jobkeys import JobKeys
         from ftrt.store.etcd import EtcdStore
@@ -358,8 +364,20 @@ class HostGroup:
         return f"dropped: {', '.join(h.node_id for h in self._dropped)}"
 
     def status(self) -> list[dict]:
-        """Each host's status (:meth:`NodeHost.status`)."""
-        return [f.result() for f in [self.placement.submit(h.actor, "status") for h in self._hosts.values()]]
+        """Each live host's status (:meth:`NodeHost.status`); a host found gone is dropped."""
+        self._reap()
+        futs = {key: self.placement.submit(h.actor, "status") for key, h in self._hosts.items()}
+        states = []
+        for key, fut in futs.items():
+            try:
+                states.append(fut.result())
+            except Exception as exc:  # noqa: BLE001 - the host's loss, or raised below
+                gone = self.placement.gone(exc)
+                if gone is None:
+                    raise
+                if key in self._hosts:
+                    self._lost(key, gone.why)
+        return states
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish the workers, end the job and stop the hosts (and the group's own etcd)."""

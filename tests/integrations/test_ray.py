@@ -17,14 +17,12 @@ import torch
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ftrt[ray]')")
 
-from ftrt.examples.ray_regression import DIM, sample  # noqa: E402
 from ftrt.integrations.ray import ElasticGroup, loopback_cluster  # noqa: E402
 from ftrt.chaos.local import wait_until  # noqa: E402
+from tests.integrations.groupkit import WORKER, batch, check_ledger, pids, reference_weights  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-BATCH = 12
-WORKER = "ftrt.examples.ray_regression:Regression"
 
 
 @pytest.fixture
@@ -35,38 +33,6 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
-
-
-def batch(step: int) -> list[int]:
-    return list(range(step * BATCH, (step + 1) * BATCH))
-
-
-def reference_weights(steps: int, lr: float = 0.05) -> torch.Tensor:
-    """The weights after ``steps`` steps trained in one process on whole batches."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(DIM, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for step in range(steps):
-        x, y = sample(batch(step))
-        opt.zero_grad()
-        (((model(x) - y) ** 2).sum() / BATCH).backward()
-        opt.step()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def check_ledger(results: list, steps: int) -> None:
-    """Each step applied once, and its samples trained once each, by the round that completed it."""
-    for step, res in zip(range(steps), results):
-        assert not res.missing, f"step {step}: replies of ranks {res.missing} lost"
-        trained = [v for v in res.values if not v["skipped"]]
-        assert trained and {v["step"] for v in trained} == {step}
-        ids = sorted(i for v in trained for i in v["ids"])
-        assert ids == batch(step), f"step {step}: trained {ids}"
-        assert {v["world"] for v in trained} == {res.world_size} and len(trained) == res.world_size
-
-
-def pids(group) -> dict[str, int]:
-    return {st["node_id"]: w["pid"] for st in group.status() for w in st["workers"]}
 
 
 def node_of(cluster, group, node_id: str):

@@ -11,7 +11,6 @@ the steps before the loss bit-identical to the fault-free run.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading

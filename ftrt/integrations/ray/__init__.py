@@ -10,7 +10,20 @@ processes when a Ray node dies (docs/ray.md).
 Ray is imported only when a group or a cluster is made: ``import ftrt`` never needs it.
 """
 
-from ftrt.integrations.ray.cluster import loopback_cluster
-from ftrt.integrations.ray.group import CallResult, ElasticGroup, GroupError
+from typing import Any
 
 __all__ = ["CallResult", "ElasticGroup", "GroupError", "loopback_cluster"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the host, wire and worker modules here are shared with the Monarch group, whose core
+    # (ftrt.integrations.hostgroup) imports them; the group itself imports that core.
+    if name == "loopback_cluster":
+        from ftrt.integrations.ray.cluster import loopback_cluster
+
+        return loopback_cluster
+    if name in ("CallResult", "ElasticGroup", "GroupError"):
+        from ftrt.integrations.ray import group
+
+        return getattr(group, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,7 +34,7 @@ class RayPlacement:
         self._host_cls = ray.remote(NodeHost)  # exported once: a join costs no export
 
     def nodes(self) -> list[Node]:
-        return [Node(n["NodeID"], n["NodeManagerAddress"]) for n in self._ray.nodes()
+        return [Node(n["NodeID"], f"ray-{n['NodeID'][:12]}", n["NodeManagerAddress"]) for n in self._ray.nodes()
                 if n["Alive"] and self._accept(n)]
 
     def driver_address(self) -> str:
@@ -67,6 +67,9 @@ class RayPlacement:
 
     def kill(self, actor: Any) -> None:
         self._ray.kill(actor)
+
+    def forget(self, node: Node) -> None:
+        pass  # a dead Ray node is not alive in ray.nodes(); one that comes back gets a host again
 
 
 @dataclass

@@ -263,7 +263,8 @@ class NodeHost:
     def status(self) -> dict[str, Any]:
         """The node, its agent, and each worker: pid, whether it is in the job, and its place."""
         with self._cond:
-            return {"node_id": self.spec.node_id, "agent_pid": self._agent.pid if self._agent else None,
+            return {"node_id": self.spec.node_id, "host_pid": os.getpid(),
+                    "agent_pid": self._agent.pid if self._agent else None,
                     "agent_exit": self._agent_code, "log": self.log_path,
                     "workers": [{"local_rank": lk.local_rank, "pid": lk.pid, "ready": lk.ready,
                                  "place": lk.place} for lk in self._links.values() if lk.alive]}
