@@ -160,3 +160,43 @@ def test_a_worker_killed_alone_is_replaced_and_gets_the_agreed_state_while_the_o
         weights = group.call("weights").values
     assert weights[0] == weights[1] == weights[2]
     assert torch.allclose(torch.tensor(weights[0]), reference_weights(6), atol=1e-5)
+
+
+def test_a_frozen_node_is_left_behind_and_comes_back_as_a_newcomer_once_thawed(cluster):
+    import os
+    import signal
+
+    from ftrt.procs import alive
+
+    with ElasticGroup(WORKER, min_nodes=1) as group:
+        before = pids(group)
+        results = [group.call("train", s, batch(s)) for s in range(3)]
+        victim = sorted(before)[2]
+        st = next(x for x in group.status() if x["node_id"] == victim)
+        frozen = [st["host_pid"], st["agent_pid"], before[victim]]
+        for pid in frozen:  # the whole node stops answering (Ray still sees its raylet alive)
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            # the call does not wait for the frozen host: its lease runs out, the survivors take the
+            # next round in place and run the step at world 2
+            results.append(group.call("train", 3, batch(3)))
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        assert results[-1].world_size == 2
+        # thawed, the node's agent finds itself out of the job: its stale worker ends, and the node
+        # joins again as a newcomer (a fresh worker that gets the agreed state at a step's start)
+        wait_until(lambda: not alive(before[victim]), 120, "the thawed node's stale worker gone")
+        step, give_up = 4, time.monotonic() + 180
+        while results[-1].world_size < 3:
+            assert time.monotonic() < give_up, "the thawed node never came back"
+            results.append(group.call("train", step, batch(step)))
+            step += 1
+        results += [group.call("train", s, batch(s)) for s in range(step, step + 2)]
+        check_ledger(results, len(results))
+        after = pids(group)
+        assert {n: after[n] for n in before if n != victim} == {n: p for n, p in before.items() if n != victim}
+        assert after[victim] != before[victim]
+        weights = group.call("weights").values
+    assert weights[0] == weights[2]
+    assert torch.allclose(torch.tensor(weights[0]), reference_weights(len(results)), atol=1e-5)

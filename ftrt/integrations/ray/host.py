@@ -178,7 +178,7 @@ class NodeHost:
         with self._cond:
             old = self._links.get(hello.local_rank)
             if old is not None:
-                old.alive = False  # replaced (the agent restarted that worker)
+                self._close_link(old)  # replaced (the agent restarted that worker): its sender ends too
             self._links[hello.local_rank] = link
             self._every.append(link)
         threading.Thread(target=self._sender, args=(link,), name="ftrt-send", daemon=True).start()
