@@ -9,7 +9,7 @@ from ftrt.errors import ConfigError, FtrtError
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m ftrt.grpo") -> int:
-    from ftrt.grpo.config import help_text, load_config
+    from ftrt.grpo.config import add_arguments, help_text, load_config
 
     p = argparse.ArgumentParser(
         prog=prog,
@@ -17,9 +17,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m ftrt.grpo") -> in
         epilog="Example: ftrt launch --standalone --nproc-per-node 2 -m ftrt.grpo steps=200 "
                "checkpoint.url=/tmp/ck. --help-config lists every field.",
     )
-    p.add_argument("--config", help="YAML file with config fields")
-    p.add_argument("--help-config", action="store_true", help="list every config field and exit")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. checkpoint.interval=5")
+    add_arguments(p)
     args = p.parse_args(argv)
     if args.help_config:
         print(help_text())

@@ -6,6 +6,7 @@ rejected with :class:`ftrt.errors.ConfigError` naming the dotted field, the valu
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -185,3 +186,11 @@ def help_text() -> str:
 
     walk(GRPOConfig, "")
     return "\n".join(out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """A command's config arguments: ``--config FILE``, ``--help-config`` and ``KEY=VALUE`` overrides
+    (``python -m ftrt.grpo``, ``python -m ftrt.grpo.ray``)."""
+    p.add_argument("--config", help="YAML file with config fields")
+    p.add_argument("--help-config", action="store_true", help="list every config field and exit")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. checkpoint.interval=5")

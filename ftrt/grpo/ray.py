@@ -164,7 +164,7 @@ def _cadence(cfg: GRPOConfig) -> Any:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m ftrt.grpo.ray") -> int:
-    from ftrt.grpo.config import help_text, load_config
+    from ftrt.grpo.config import add_arguments, help_text, load_config
 
     p = argparse.ArgumentParser(
         prog=prog, allow_abbrev=False,
@@ -181,9 +181,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m ftrt.grpo.ray") -
     p.add_argument("--etcd", help="the job's etcd HOST:PORT (default: the group starts one, on loopback only)")
     p.add_argument("--remove-node-at", type=int, action="append", default=[], metavar="STEP",
                    help="with --local-nodes: remove a Ray node before this step (a fault, to watch the group go on)")
-    p.add_argument("--config", help="YAML file with config fields")
-    p.add_argument("--help-config", action="store_true", help="list every config field and exit")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. steps=100")
+    add_arguments(p)
     args = p.parse_args(argv)
     if args.help_config:
         print(help_text())

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
 
 import pytest
 import torch
@@ -20,8 +18,8 @@ pytest.importorskip("monarch.actor", reason="torchmonarch is not installed (pip 
 
 from ftrt.chaos.local import wait_until  # noqa: E402
 from ftrt.integrations.monarch import GroupError, MonarchGroup  # noqa: E402
-from ftrt.procs import alive  # noqa: E402
-from tests.integrations.groupkit import WORKER, batch, check_ledger, pids, reference_weights  # noqa: E402
+from tests.integrations.groupkit import (WORKER, batch, check_ledger, lose_a_node_mid_step, pids,  # noqa: E402
+                                         reference_weights, train_until_joined)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -44,12 +42,7 @@ def test_a_node_lost_between_steps_and_one_added_leave_every_sample_trained_once
         wait_until(lambda: victim not in pids(group), 60, "the lost node dropped from the group")
         assert pids(group) == {n: p for n, p in before.items() if n != victim}  # the survivors' processes kept
         group.add_node()  # its worker warms up, then is admitted at a step's start
-        step, give_up = 6, time.monotonic() + 180
-        while results[-1].world_size < 3:
-            assert time.monotonic() < give_up, "the added node was never admitted"
-            results.append(group.call("train", step, batch(step)))
-            step += 1
-        results += [group.call("train", s, batch(s)) for s in range(step, step + 2)]
+        train_until_joined(group, results, 3, "the added node was never admitted")
         check_ledger(results, len(results))
         weights = group.call("weights").values
         after = pids(group)
@@ -60,29 +53,9 @@ def test_a_node_lost_between_steps_and_one_added_leave_every_sample_trained_once
 
 def test_a_node_lost_while_a_step_is_in_flight_costs_no_sample(tmp_path):
     with MonarchGroup(WORKER, nodes=3, min_nodes=1) as group:
-        before, hosts = pids(group), host_pids(group)
-        results = [group.call("train", s, batch(s)) for s in range(3)]
-        hold = tmp_path / "hold"
-        hold.mkdir()
-        got: dict = {}
-
-        def step3() -> None:
-            try:
-                got["res"] = group.call("train", 3, batch(3), hold=str(hold))
-            except Exception as exc:  # noqa: BLE001 - reported below
-                got["error"] = exc
-
-        t = threading.Thread(target=step3)
-        t.start()
-        # Every rank is inside step 3 (its data taken, its all-reduce not begun) when the node goes.
-        wait_until(lambda: len(list(hold.glob("started-*"))) == 3, 120, "every rank inside step 3")
-        victim = sorted(before)[0]
-        os.kill(hosts[victim], signal.SIGKILL)
-        wait_until(lambda: not alive(before[victim]), 60, "the lost node's worker gone")
-        (hold / "go").touch()
-        t.join(300)
-        assert "error" not in got, got.get("error")
-        results.append(got["res"])
+        hosts = host_pids(group)
+        results, before, victim = lose_a_node_mid_step(group, tmp_path,
+                                                       lambda node: os.kill(hosts[node], signal.SIGKILL))
         assert results[-1].world_size == 2
         results += [group.call("train", s, batch(s)) for s in range(4, 6)]
         check_ledger(results, 6)

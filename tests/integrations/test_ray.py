@@ -9,7 +9,6 @@ the survivors' worker processes kept (same pids) across the round change.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,8 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ftrt
 
 from ftrt.integrations.ray import ElasticGroup, loopback_cluster  # noqa: E402
 from ftrt.chaos.local import wait_until  # noqa: E402
-from tests.integrations.groupkit import WORKER, batch, check_ledger, pids, reference_weights  # noqa: E402
+from tests.integrations.groupkit import (WORKER, batch, check_ledger, lose_a_node_mid_step, pids,  # noqa: E402
+                                         reference_weights, train_until_joined)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -58,32 +58,8 @@ def test_a_node_removed_between_steps_leaves_the_survivors_training_in_place(clu
 
 def test_a_node_removed_while_a_step_is_in_flight_costs_no_sample(cluster, tmp_path):
     with ElasticGroup(WORKER, min_nodes=1) as group:
-        before = pids(group)
-        results = [group.call("train", s, batch(s)) for s in range(3)]
-        hold = tmp_path / "hold"
-        hold.mkdir()
-        got: dict = {}
-
-        def step3() -> None:
-            try:
-                got["res"] = group.call("train", 3, batch(3), hold=str(hold))
-            except Exception as exc:  # noqa: BLE001 - reported below
-                got["error"] = exc
-
-        t = threading.Thread(target=step3)
-        t.start()
-        # Every rank is inside step 3 (its data taken, its all-reduce not begun) when the node goes.
-        wait_until(lambda: len(list(hold.glob("started-*"))) == 3, 120, "every rank inside step 3")
-        victim = sorted(before)[0]
-        cluster.remove_node(node_of(cluster, group, victim))
-        from ftrt.procs import alive
-
-        # the victim's worker must not take part in the step: it is gone before the others go on
-        wait_until(lambda: not alive(before[victim]), 60, "the removed node's worker gone")
-        (hold / "go").touch()
-        t.join(300)
-        assert "error" not in got, got.get("error")
-        results.append(got["res"])
+        results, before, victim = lose_a_node_mid_step(
+            group, tmp_path, lambda node: cluster.remove_node(node_of(cluster, group, node)))
         assert results[-1].world_size == 2
         results += [group.call("train", s, batch(s)) for s in range(4, 6)]
         check_ledger(results, 6)
@@ -124,12 +100,7 @@ def test_a_node_added_to_the_cluster_joins_at_a_step_boundary_and_trains_its_sha
             before = pids(group)
             results = [group.call("train", s, batch(s)) for s in range(2)]
             c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-            step, give_up = 2, time.monotonic() + 180
-            while results[-1].world_size < 3:  # the newcomer's workers warm up, then are admitted
-                assert time.monotonic() < give_up, "the added node was never admitted"
-                results.append(group.call("train", step, batch(step)))
-                step += 1
-            results += [group.call("train", s, batch(s)) for s in range(step, step + 2)]
+            train_until_joined(group, results, 3, "the added node was never admitted")
             check_ledger(results, len(results))
             after = pids(group)
             assert {n: after[n] for n in before} == before and len(after) == 3  # nobody restarted
@@ -187,12 +158,7 @@ def test_a_frozen_node_is_left_behind_and_comes_back_as_a_newcomer_once_thawed(c
         # thawed, the node's agent finds itself out of the job: its stale worker ends, and the node
         # joins again as a newcomer (a fresh worker that gets the agreed state at a step's start)
         wait_until(lambda: not alive(before[victim]), 120, "the thawed node's stale worker gone")
-        step, give_up = 4, time.monotonic() + 180
-        while results[-1].world_size < 3:
-            assert time.monotonic() < give_up, "the thawed node never came back"
-            results.append(group.call("train", step, batch(step)))
-            step += 1
-        results += [group.call("train", s, batch(s)) for s in range(step, step + 2)]
+        train_until_joined(group, results, 3, "the thawed node never came back")
         check_ledger(results, len(results))
         after = pids(group)
         assert {n: after[n] for n in before if n != victim} == {n: p for n, p in before.items() if n != victim}
