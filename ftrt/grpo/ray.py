@@ -46,9 +46,7 @@ class Driver:
 
     def __init__(self, cfg: GRPOConfig, group: Any, *, before_step: Callable[[int], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        if cfg.rollout.mode != "local":
-            raise ConfigError("Config field 'rollout.mode' = fleet: the Ray driver's workers sample locally; "
-                              "use ftrt launch -m ftrt.grpo for the rollout fleet.")
+        check_config(cfg)
         from ftrt.grpo.trainer import Metrics
 
         self.cfg, self.group, self.clock = cfg, group, clock
@@ -61,7 +59,7 @@ class Driver:
     def run(self) -> dict[str, Any]:
         """Train from the agreed position to ``cfg.steps``; return the summary."""
         cfg = self.cfg
-        pos = self.group.call("position").values[0]
+        pos = next(v for v in self.group.call("position").values if v is not None)
         start, frontier = pos["step"], pos["frontier"]
         if cfg.checkpoint.url:
             runconfig.record_once_started(cfg)
@@ -148,6 +146,13 @@ class Driver:
         return max(v for v in res.values if v is not None)
 
 
+def check_config(cfg: GRPOConfig) -> None:
+    """Refuse what the Ray driver does not do (before any cluster or group is started)."""
+    if cfg.rollout.mode != "local":
+        raise ConfigError("Config field 'rollout.mode' = fleet: the Ray driver's workers sample locally; "
+                          "use ftrt launch -m ftrt.grpo for the rollout fleet.")
+
+
 def _cadence(cfg: GRPOConfig) -> Any:
     """The storage tier's cadence (``checkpoint.interval``; ``auto``: Young/Daly from the measured save
     cost and ``checkpoint.mtbf``, or the faults the driver saw)."""
@@ -194,6 +199,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m ftrt.grpo.ray") -
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     try:
         cfg = load_config(args.config, args.overrides)
+        check_config(cfg)
         if cfg.checkpoint.url:
             runconfig.check_before_start(cfg)
         return _run(cfg, args)
