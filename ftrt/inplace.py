@@ -148,7 +148,6 @@ def sync_state(step: int, tensors: Iterable["torch.Tensor"], *, wait: Callable[[
     comes, or in the collective's error; run it inside ``with rt.step():`` so that the error turns
     into the next round too). Default: a blocking wait.
     """
-    import torch
     import torch.distributed as dist
 
     done = _waiter(wait)

@@ -109,7 +109,7 @@ class Driver:
         rewards = torch.stack([groups[pid][1] for pid in prompt_ids])
         adv = group_advantages(rewards, cfg.adv_std_norm)
         tokens = float(sum(groups[pid][2] for pid in prompt_ids))
-        scored = [(pid, groups[pid][0], adv[i]) for i, pid in enumerate(prompt_ids)]
+        scored = [(pid, groups[pid][0], adv[i].clone()) for i, pid in enumerate(prompt_ids)]  # a view would carry all rows
         res = self.group.call("update", step, scored, tokens)
         done = next(v for v in res.values if v is not None)
         step_s = self.clock() - t0

@@ -53,6 +53,9 @@ HOLD_TIMEOUT_S = 120.0
 class PolicyWorker:
     """See the module docstring. ``config``: the run's :class:`GRPOConfig` as a dict."""
 
+    process_group_backend = "gloo"
+    """The policy, its state agreement and its all-reduces are on the CPU, as the launched trainer's."""
+
     def __init__(self, config: dict[str, Any]) -> None:
         self.cfg = cfg = GRPOConfig.model_validate(config)
         self.rt = ftrt.init()

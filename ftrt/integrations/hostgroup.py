@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 NODE_CHECK_S = 1.0
 """How often a call looks for nodes without a host."""
+MOVED_ON_CHECK_S = 0.5
+"""How often a call whose newest round lacks replies checks whether the ranks that answered moved on."""
 
 
 class GroupError(FtrtError):
@@ -155,9 +157,9 @@ class HostGroup:
         self._etcd_server = None
         self._hosts: dict[str, _Host] = {}
         self._dropped: list[_Host] = []
-        self._strays: dict[Future, str] = {}
-        """Calls the group stopped waiting for (their round completed without them): a host that
-        died is dropped when its call fails."""
+        self._strays: dict[Future, _Host] = {}
+        """Calls the group stopped waiting for (their round completed, or the job moved on, without
+        them): a host that died is dropped when its call fails."""
         self._seq = 0
         self._checked_at = 0.0
         self.round = 0
@@ -213,13 +215,14 @@ class HostGroup:
                 self._start_host(node)
 
     def _reap(self) -> None:
-        """Drop the hosts whose calls the group stopped waiting for and that failed since."""
+        """Drop the hosts whose calls the group stopped waiting for and that failed since (for good:
+        an error the placement says may pass is left to the next call to ask again)."""
         for fut in [f for f in self._strays if f.done()]:
-            key = self._strays.pop(fut)
+            host = self._strays.pop(fut)
             exc = fut.exception()
             gone = self.placement.gone(exc) if exc is not None else None
-            if gone is not None and key in self._hosts:
-                self._lost(key, gone.why)
+            if gone is not None and not gone.retry and self._hosts.get(host.node.key) is host:
+                self._lost(host.node.key, gone.why)
 
     def _lost(self, key: str, why: str) -> None:
         """A host died with its node, or its agent exited: drop the host, and its node from the
@@ -227,6 +230,9 @@ class HostGroup:
         host = self._hosts.pop(key)
         self._dropped.append(host)
         self.placement.forget(host.node)
+        # A host taken for gone that still runs (unreachable for a while) must not keep an agent
+        # beside the next host on its node; stopping a dead one may take the actor system a while.
+        threading.Thread(target=self._kill_quietly, args=(host.actor,), name="ftrt-kill-host", daemon=True).start()
         log.warning("node %s left the group (%s); the group goes on without it", host.node_id, why)
         from ftrt.jobkeys import JobKeys
         from ftrt.store.etcd import EtcdStore
@@ -247,6 +253,12 @@ class HostGroup:
         t = threading.Thread(target=run, name="ftrt-drop-node")
         t.start()
         t.join()
+
+    def _kill_quietly(self, actor: Any) -> None:
+        try:
+            self.placement.kill(actor)
+        except Exception:  # noqa: BLE001 - gone already
+            pass
 
     def _wait_in_job(self, hosts: int) -> None:
         """Block until ``hosts`` hosts' workers are all in one round (or fail with their agents' words)."""
@@ -302,7 +314,8 @@ class HostGroup:
         asked_again: set[str] = set()
         while pending:
             complete = _complete(replies)
-            if complete or not any(self._hosts[k].in_job for k in pending.values() if k in self._hosts):
+            in_job = [k for k in pending.values() if k in self._hosts and self._hosts[k].in_job]
+            if complete or not in_job:
                 # Every rank of the newest round answered (the hosts still pending have no rank in it:
                 # joining, or gone without the actor system having said so yet), or every host in the
                 # job answered: a joining host's workers ran the call only if that round admitted them.
@@ -312,10 +325,15 @@ class HostGroup:
                         if key in self._hosts and not self._hosts[key].in_job:
                             self.placement.submit(self._hosts[key].actor, "cancel", seq)
                 if complete:
-                    self._strays.update((f, k) for f, k in pending.items() if k in self._hosts and
-                                        self._hosts[k].in_job)
                     break
-            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            done, _ = wait(list(pending), timeout=MOVED_ON_CHECK_S, return_when=FIRST_COMPLETED)
+            if not done:
+                if replies and self._moved_on(set(pending.values()), max(r.place.round for r in replies)):
+                    # The ranks that answered are in a newer round and will not run this call again
+                    # (a method without collectives, or one they got through before the fault): the
+                    # hosts still pending (gone, or frozen and left behind) answer no more.
+                    break
+                continue
             for fut in done:
                 key = pending.pop(fut)
                 exc = fut.exception()
@@ -335,6 +353,10 @@ class HostGroup:
                     pending[self.placement.submit(self._hosts[key].actor, "call", seq, method, payload)] = key
                     continue
                 self._lost(key, gone.why)
+        for fut, key in pending.items():  # given up: the host stops holding the call, and may be found gone later
+            if key in self._hosts:
+                self.placement.submit(self._hosts[key].actor, "cancel", seq)
+                self._strays[fut] = self._hosts[key]
         failed = [r for r in replies if not r.ok]
         if failed:
             first = min(failed, key=lambda r: r.place.rank)
@@ -353,6 +375,24 @@ class HostGroup:
                         list(missing), last)
         return CallResult(last, world, values, missing, tuple(replies))
 
+    def _moved_on(self, pending: set[str], last: int) -> bool:
+        """Whether the job is in a round newer than ``last`` (the newest round among the call's
+        replies) whose ranks are all on hosts other than the ``pending`` ones: those hosts are left
+        behind (gone, or frozen), and the ranks that answered will not run this call again."""
+        others = [h for k, h in self._hosts.items() if k not in pending]
+        states = self._status_of(others, MOVED_ON_CHECK_S)
+        if len(states) < len(others):
+            return False
+        places = [w["place"] for st in states.values() for w in st["workers"] if w["ready"] and w["place"]]
+        newer = {p.round: p.world_size for p in places if p.round > last}
+        return any(sum(p.round == r for p in places) == size for r, size in newer.items())
+
+    def _status_of(self, hosts: list[_Host], timeout: float) -> dict[str, dict]:
+        """The status of each of ``hosts`` that answers within ``timeout`` (node key -> status)."""
+        futs = {self.placement.submit(h.actor, "status"): h.node.key for h in hosts}
+        done, _ = wait(list(futs), timeout=timeout)
+        return {futs[f]: f.result() for f in done if f.exception() is None}
+
     def _pickle(self, value: Any) -> bytes:
         """``value`` as the workers receive it (:meth:`Placement.dumps`)."""
         try:
@@ -363,20 +403,26 @@ class HostGroup:
     def _why_gone(self) -> str:
         return f"dropped: {', '.join(h.node_id for h in self._dropped)}"
 
-    def status(self) -> list[dict]:
-        """Each live host's status (:meth:`NodeHost.status`); a host found gone is dropped."""
+    def status(self, timeout: float = 30.0) -> list[dict]:
+        """Each live host's status (:meth:`NodeHost.status`); a host found gone is dropped, and one
+        that does not answer within ``timeout`` (frozen) is left out."""
         self._reap()
-        futs = {key: self.placement.submit(h.actor, "status") for key, h in self._hosts.items()}
+        futs = {self.placement.submit(h.actor, "status"): key for key, h in self._hosts.items()}
+        done, late = wait(list(futs), timeout=timeout)
+        if late:
+            log.warning("node host(s) %s did not answer within %g s", [self._hosts[futs[f]].node_id for f in late
+                                                                        if futs[f] in self._hosts], timeout)
         states = []
-        for key, fut in futs.items():
-            try:
+        for fut in [f for f in futs if f in done]:
+            key, exc = futs[fut], fut.exception()
+            if exc is None:
                 states.append(fut.result())
-            except Exception as exc:  # noqa: BLE001 - the host's loss, or raised below
-                gone = self.placement.gone(exc)
-                if gone is None:
-                    raise
-                if key in self._hosts:
-                    self._lost(key, gone.why)
+                continue
+            gone = self.placement.gone(exc)
+            if gone is None:
+                raise exc
+            if key in self._hosts and not gone.retry:
+                self._lost(key, gone.why)
         return states
 
     def close(self, timeout: float = 60.0) -> None:

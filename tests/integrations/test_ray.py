@@ -148,8 +148,13 @@ def test_a_frozen_node_is_left_behind_and_comes_back_as_a_newcomer_once_thawed(c
         for pid in frozen:  # the whole node stops answering (Ray still sees its raylet alive)
             os.kill(pid, signal.SIGSTOP)
         try:
-            # the call does not wait for the frozen host: its lease runs out, the survivors take the
-            # next round in place and run the step at world 2
+            # A method without collectives: the survivors answer at once in the old round, and the call
+            # ends once they are in a newer round without the frozen node (its lease ran out); the frozen
+            # rank's value is missing.
+            res = group.call("pid")
+            assert res.world_size == 3 and len(res.missing) == 1, res
+            assert sorted(v for v in res.values if v is not None) == sorted(p for n, p in before.items() if n != victim)
+            # a step: the survivors run it at world 2
             results.append(group.call("train", 3, batch(3)))
         finally:
             for pid in frozen:

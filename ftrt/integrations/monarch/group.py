@@ -8,8 +8,9 @@ ftrt's own detection (the dead agent's liveness stream) usually ends the round f
 comes after its supervision poll (``supervision_poll``, 9 s by Monarch's default; the group sets
 it lower). The workers are ftrt's processes under the node's agent, as on Ray, not Monarch actors.
 
-Monarch's default fault hook exits the driver when any mesh fails; the group replaces it while it
-lives with one that logs the failure, and restores it at :meth:`~HostGroup.close`.
+Monarch's default fault hook exits the driver when any mesh fails; the group replaces it with one
+that logs the failure. At :meth:`~HostGroup.close` a hook the driver set itself is given back;
+Monarch's default is not (a late report must not end the program).
 """
 
 from __future__ import annotations
@@ -83,7 +84,12 @@ class MonarchPlacement:
         return _Handle(mesh, mesh.spawn("ftrt_host", MonarchHost, spec))
 
     def submit(self, actor: _Handle, method: str, *args: Any) -> Future:
-        fut = getattr(actor.actor, "stop_host" if method == "stop" else method).call_one(*args)
+        try:
+            fut = getattr(actor.actor, "stop_host" if method == "stop" else method).call_one(*args)
+        except Exception as exc:  # noqa: BLE001 - raised at once (a mesh known dead): the call's outcome
+            failed: Future = Future()
+            failed.set_exception(exc)
+            return failed
         return self._pool.submit(fut.get)
 
     def dumps(self, value: Any) -> bytes:
@@ -112,7 +118,11 @@ class MonarchPlacement:
         self._hosts.pop(node.key, None)
 
     def close(self) -> None:
-        self._ma.unhandled_fault_hook = self._saved_hook
+        """Give back the driver's own fault hook. Monarch's default one, which exits the driver, is
+        not put back: a failure reported after the group closed (a host killed shortly before, with
+        a slow supervision poll) must not end the program."""
+        if not getattr(self._saved_hook, "__module__", "").startswith("monarch"):
+            self._ma.unhandled_fault_hook = self._saved_hook
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -146,6 +156,8 @@ class MonarchGroup(HostGroup):
         self._checked_at = 0.0
 
     def close(self, timeout: float = 60.0) -> None:
-        super().close(timeout)
-        if getattr(self, "placement", None) is not None:
-            self.placement.close()
+        try:
+            super().close(timeout)
+        finally:
+            if getattr(self, "placement", None) is not None:
+                self.placement.close()

@@ -242,7 +242,9 @@ class NodeHost:
                     answered = [lk for lk in got if seq in lk.replies]
                     if answered and not waiting:
                         return [lk.replies.pop(seq) for lk in answered]
-                    if not waiting and seq in self._cancelled:
+                    if not waiting and (seq in self._cancelled or seq < self._latest):
+                        # the driver completed it without this node (cancel), or gave up on it (a
+                        # newer call came): no worker here runs it any more
                         return [lk.replies.pop(seq) for lk in answered]
                     if self._agent_code is not None:
                         raise self._failed()

@@ -12,7 +12,8 @@ only. A round change never restarts it. Between calls it takes a new round withi
 the call's start, ends the attempt in :class:`ftrt.WorldChanged`: the worker takes the round and
 runs the call again at the new world size. Each time it enters a round, including its first, it
 calls the object's ``on_world_change()`` if it has one: the place to agree on the state
-(:func:`ftrt.sync_state`) and rebuild what wraps the process group (DDP). A method may therefore
+(:func:`ftrt.sync_state`) and rebuild what wraps the process group (DDP). A class attribute
+``process_group_backend`` ("gloo", "nccl") chooses the backend; by default NCCL where CUDA is. A method may therefore
 run again after a world change, and must give the same effect twice: the usual way is an explicit
 step argument, and skipping a step the (agreed) state already holds.
 """
@@ -100,7 +101,10 @@ class Worker:
                     value = method(*args, **kwargs)
                 break
             except WorldChanged:
-                self.enter_round()
+                try:
+                    self.enter_round()
+                except Exception:  # noqa: BLE001 - e.g. the object's state cannot be agreed: the driver hears why
+                    return failed(traceback.format_exc())
             except Exception:  # noqa: BLE001 - the driver gets the method's error, the worker serves on
                 return failed(traceback.format_exc())
         try:
@@ -146,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     conn.send(wire.Hello(rt.local_rank, os.getpid()))
     init = conn.recv()
     args, kwargs = pickle.loads(init.payload)
-    obj = load_target(init.target)(*args, **kwargs)  # before the group: warm when admitted
-    backend = "nccl" if _cuda() else "gloo"
+    cls = load_target(init.target)
+    obj = cls(*args, **kwargs)  # before the group: warm when admitted
+    # The class may name its collectives' backend (its tensors' device decides); else NCCL where CUDA is.
+    backend = getattr(cls, "process_group_backend", None) or ("nccl" if _cuda() else "gloo")
     rt.init_process_group(backend)
     worker = Worker(rt, conn, obj)
     worker.enter_round(first=True)
