@@ -73,10 +73,12 @@ class PolicyWorker:
             "last": {},
         }
         self.holds = False
-        """Whether ``state`` is one the job had after a whole step (agreed, restored or trained):
-        False for a newcomer and while a step of several ``ppo_epochs`` is half applied."""
-        self.started = False
-        """Whether this process entered a round before: its weights may have left the initial ones."""
+        """Whether ``state`` is one the job had after a whole step (received, restored or trained):
+        False for a newcomer, while a step of several ``ppo_epochs`` is half applied, and for the
+        initial state, which every rank builds alike (offering it would make the state agreement
+        materialise the optimizer's state, an extra step in its count)."""
+        self.moved = False
+        """Whether this process's state left the initial one (trained, received or restored)."""
         self._ck: Checkpointer | None = None
         """This round's checkpointer (a new one each round: the old one's process groups are gone)."""
 
@@ -107,11 +109,14 @@ class PolicyWorker:
             restored = self._ck.restore(self.state) if self._ck is not None else None
             if restored is not None:
                 self.trainer["resumes"] += 1
-            elif self.started:
+                self.holds = self.moved = True
+            elif self.moved:
                 raise FtrtError("The ranks lost the state of the step in flight (every rank was half through a "
                                 "step of several ppo_epochs) and there is no checkpoint to go back to. Set "
                                 "checkpoint.url to go back to a checkpoint in place.")
-        self.holds = self.started = True
+            # else: no rank trained yet; every rank holds the initial state, built alike
+        else:
+            self.holds = self.moved = True
 
     # -- what the driver calls -------------------------------------------------------------------
     def position(self) -> dict[str, Any]:
@@ -222,6 +227,7 @@ class PolicyWorker:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params])
         self.holds = False  # until the step's counters follow
         self.opt.step()
+        self.moved = True
         return float(norm)
 
     def _hold(self, point: str, step: int) -> None:
@@ -233,3 +239,4 @@ class PolicyWorker:
         while time.monotonic() < deadline and not self.rt.world_changed():
             self.rt.heartbeat(step)
             time.sleep(0.05)
+
