@@ -134,7 +134,10 @@ def test_a_fault_due_while_spares_warm_is_injected_at_its_step_and_judged_cold(t
     data = json.loads((tmp_path / "r" / "report.json").read_text())
     fault, = data["faults"]
     kept = f"report, logs and timeline kept in {tmp_path / 'r'}"
-    assert 2 <= fault["step"] <= 4 and fault["spares_warm"] is False, (fault, kept)
+    # The runner injects once the metrics show step 2; on a busy machine a few more steps may end
+    # before the kill lands (step 5 was seen). The regression this guards against waited for warm
+    # spares up to halfway through the steps left (about step 30).
+    assert 2 <= fault["step"] <= 10 and fault["spares_warm"] is False, (fault, kept)
     assert fault["limit_s"] == 30.0 and data["passed"] is True, (data["invariants"], kept)
     assert "1 cold, limit 30.0 s" in data["invariants"]["recovered"]["reason"]
     assert "| cold |" in (tmp_path / "r" / "report.md").read_text()
