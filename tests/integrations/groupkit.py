@@ -91,3 +91,13 @@ def train_until_joined(group: Any, results: list, world: int, what: str, timeout
         results.append(group.call("train", step, batch(step)))
         step += 1
     results += [group.call("train", s, batch(s)) for s in range(step, step + 2)]
+
+
+def check_after_mid_step_loss(group: Any, results: list, before: dict[str, int], victim: str) -> list[float]:
+    """After :func:`lose_a_node_mid_step`: step 3 ran at world 2, two more steps follow, every sample
+    was trained once, the survivors kept their processes; returns rank 0's weights."""
+    assert results[-1].world_size == 2
+    results += [group.call("train", s, batch(s)) for s in range(4, 6)]
+    check_ledger(results, 6)
+    assert pids(group) == {n: p for n, p in before.items() if n != victim}
+    return group.call("weights").values[0]
